@@ -1,0 +1,43 @@
+# orca-serve: two commands on a fresh machine with nothing but Python 3.11+.
+#   make serve   set up, make the demo model, run the main job
+#   make test    set up, run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; on a CUDA machine override it: make TORCH_SPEC='torch' serve
+TORCH_SPEC ?= torch==2.13.0
+DEMO_MODEL ?= .cache/demo-llama
+TCMALLOC := $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4))
+
+.PHONY: setup serve generate test test-fast bench clean
+
+$(BIN)/orca: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+setup: $(BIN)/orca
+
+$(DEMO_MODEL)/config.json: | $(BIN)/orca
+	$(BIN)/orca make-demo-model $(DEMO_MODEL)
+
+serve: generate
+
+generate: setup $(DEMO_MODEL)/config.json
+	@mkdir -p out
+	$(BIN)/orca generate --model $(DEMO_MODEL) --input examples/prompts.jsonl --output out/generations.jsonl
+	@cat out/generations.jsonl
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m 'not slow'
+
+bench: setup $(DEMO_MODEL)/config.json
+	LD_PRELOAD=$(TCMALLOC) $(BIN)/python benchmarks/engine_throughput.py --model $(DEMO_MODEL)
+
+clean:
+	rm -rf $(VENV) .cache out

@@ -1,0 +1,79 @@
+"""The data that crosses the scheduler/runner boundary once per iteration.
+
+Batch data flow, where it starts and who owns each stage:
+1. The engine (in process, or the engine-master service) calls `Scheduler.schedule()`,
+   which returns a `SchedulerOutput`: which requests run this iteration, how many tokens
+   each computes (a whole prompt, a prefill chunk, or one decode token) and which KV
+   blocks each may write. It is plain data, so it can travel to workers as one message.
+2. The model runner (worker) keeps per-request token lists and block tables, updated from
+   `new_requests` and `new_block_ids`; it concatenates all scheduled tokens into one
+   `(sum L_i,)` batch (selective batching), runs the model, and samples one token for each
+   request whose scheduled tokens reach the end of what it knows (`samples`).
+3. It answers with a `RunnerOutput` (sampled token and logprobs per request).
+4. `Scheduler.update(scheduler_output, runner_output)` appends the tokens, decides who
+   finished (EOS, stop token, length), frees their KV and returns `RequestOutput` events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.outputs import TokenLogprob
+from shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen yet (or sees again after a preemption)."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt followed by any tokens generated before a preemption."""
+    num_prompt_tokens: int
+    params: SamplingParams
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    num_computed_tokens: int
+    """Tokens already in the KV cache; this iteration computes the next `num_new_tokens`."""
+    num_new_tokens: int
+    new_block_ids: list[int]
+    """Blocks granted this iteration, appended to the request's block table (for a request
+    in `new_requests` they are already in its `block_ids`)."""
+    samples: bool
+    """True when this iteration reaches the request's last known token, so one is sampled."""
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    iteration: int
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]
+    """Batch order: decodes first, then prefills, each in admission order."""
+    finished_request_ids: list[str]
+    """Requests that ended since the previous iteration; the runner drops their state."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)

@@ -1,0 +1,65 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+Decoding only the newest token garbles multi-byte characters and breaks the spacing of
+many tokenizers, so the text is decoded over a short window of tokens and only the part
+that is final (no trailing U+FFFD) is emitted, as TGI and vLLM do. Pure: the tokenizer's
+`decode` is injected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._tokens: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""
+        self._emitted = 0
+        self.stopped = False
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the new final text (after a stop string matches: nothing more)."""
+        if self.stopped:
+            return ""
+        self._tokens.extend(token_ids)
+        prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+        full = self._decode(self._tokens[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # an incomplete character: wait for the next token
+        delta = full[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        return self._append(delta)
+
+    def flush(self) -> str:
+        """At the end of a request: the text held back (a partial character, or the tail kept
+        while it could still turn out to start a stop string)."""
+        if not self.stopped and self._read_offset < len(self._tokens):
+            prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
+            full = self._decode(self._tokens[self._prefix_offset:])
+            self._read_offset = len(self._tokens)
+            self._append(full[len(prefix):])
+        out = self.text[self._emitted:]
+        self._emitted = len(self.text)
+        return out
+
+    def _append(self, delta: str) -> str:
+        longest = max((len(s) for s in self._stop), default=0)
+        search_from = max(0, len(self.text) - longest + 1)
+        self.text += delta
+        matches = [at for at in (self.text.find(s, search_from) for s in self._stop) if at >= 0]
+        if matches:
+            self.text = self.text[:min(matches)]
+            self.stopped = True
+        # Hold back a tail that could be the start of a stop string still being generated.
+        hold = 0 if self.stopped or not longest else longest - 1
+        end = max(self._emitted, len(self.text) - hold)
+        out = self.text[self._emitted:end]
+        self._emitted = end
+        return out

@@ -1,0 +1,47 @@
+"""A request as the iteration scheduler sees it: tokens so far, what is computed, and its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from shared.outputs import FinishReason
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_order: int = 0
+    """Set by the scheduler: FCFS position, the tie-breaker everywhere."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (the prompt, then each fed-back output token)."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The KV slots Orca reserves: prompt_len + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

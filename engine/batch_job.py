@@ -1,0 +1,89 @@
+"""`orca generate`: serve a JSONL file of requests through the in-process engine.
+
+Every line becomes one output line, in input order: a completion, or an error record that
+names the line and the problem. All valid requests enter the engine at once; the
+iteration scheduler serves them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import IO, Any
+
+import msgspec
+
+from engine.llm_engine import Completion, LLMEngine
+from shared.api import decode_generate_request
+
+_encoder = msgspec.json.Encoder()
+
+
+def completion_record(c: Completion) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": c.request_id, "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids,
+        "text": c.text, "finish_reason": c.finish_reason.label if c.finish_reason is not None else None,
+    }
+    if c.logprobs is not None:
+        record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
+                               "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]}
+                              for lp in c.logprobs]
+    if c.error:
+        record["error"] = c.error
+    record["metrics"] = c.metrics()
+    return record
+
+
+def error_record(request_id: str | None, lineno: int, message: str) -> dict[str, Any]:
+    return {"id": request_id, "finish_reason": "error", "error": f"line {lineno}: {message}"}
+
+
+def _line_id(line: str) -> str | None:
+    try:
+        value = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None
+    return value.get("id") if isinstance(value, dict) and isinstance(value.get("id"), str) else None
+
+
+def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any] | str]:
+    """Add every valid line to the engine. Returns, in input order, an error record or the
+    request id whose completion will fill that slot."""
+    slots: list[dict[str, Any] | str] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            request = decode_generate_request(line)
+            params = request.sampling_params()
+            ids = request.prompt_token_ids if request.prompt_token_ids is not None else engine.tokenize(request.prompt or "")
+            engine.add_request(request.id, ids, params)
+            slots.append(request.id)
+        except ValueError as exc:
+            slots.append(error_record(_line_id(line), lineno, str(exc)))
+    return slots
+
+
+def run_batch(engine: LLMEngine, lines: Iterable[str], out: IO[str], progress: bool = True) -> dict[str, int]:
+    slots = submit_lines(engine, lines)
+    done: dict[str, dict[str, Any]] = {}
+    total = sum(isinstance(s, str) for s in slots)
+    bar = _progress_bar(total, progress)
+    while engine.has_unfinished:
+        for delta in engine.step():
+            if delta.finished:
+                done[delta.completion.request_id] = completion_record(delta.completion)
+                bar.update(1)
+    bar.close()
+    counts = {"requests": len(slots), "errors": 0}
+    for slot in slots:
+        record = done[slot] if isinstance(slot, str) else slot
+        counts["errors"] += record["finish_reason"] == "error"
+        out.write(_encoder.encode(record).decode() + "\n")
+    return counts
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", file=sys.stderr, disable=not enabled)

@@ -1,0 +1,169 @@
+"""The in-process engine: the Orca loop with no NATS and no Ray.
+
+`step()` reads like the algorithm: schedule, execute, update, publish. The same scheduler
+and runner run behind NATS and Ray in `services/`; this is what `orca generate`, the
+tests and the benchmarks' baseline loop use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from core.batch import SchedulerOutput
+from core.detokenize import IncrementalDetokenizer
+from core.kv_cache import KVCacheManager
+from core.policies import make_policy
+from core.request import Request
+from core.scheduler import Scheduler
+from engine.tokenizer import Tokenizer, load_tokenizer
+from model.arch import load_arch_config
+from model.runner import ModelRunner
+from shared.config import EngineConfig
+from shared.outputs import FinishReason, RequestOutput, TokenLogprob
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    """Everything known about a request, updated as its tokens come."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def metrics(self) -> dict[str, float | None]:
+        def since_arrival(t: float | None) -> float | None:
+            return None if t is None else round(t - self.arrival_time, 6)
+        return {"queue_s": since_arrival(self.first_scheduled_time), "ttft_s": since_arrival(self.first_token_time),
+                "latency_s": since_arrival(self.finished_time)}
+
+
+@dataclass
+class Delta:
+    """What one step added to one request."""
+
+    completion: Completion
+    new_token_ids: tuple[int, ...]
+    new_text: str
+
+    @property
+    def finished(self) -> bool:
+        return self.completion.finish_reason is not None
+
+
+def resolve_max_model_len(config: EngineConfig) -> int:
+    context = load_arch_config(config.model.model).context_len
+    wanted = config.model.max_model_len
+    if wanted is not None and wanted > context:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's context of {context} tokens")
+    return wanted or context
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.max_model_len = resolve_max_model_len(config)
+        cache = config.cache
+        self.runner = runner or ModelRunner(
+            config.model.model, dtype=config.model.dtype, device=config.model.device,
+            num_blocks=cache.num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
+            seed=config.model.seed, kernel_backend=config.model.kernel_backend,
+        )
+        self.tokenizer = tokenizer or load_tokenizer(config.model.model)
+        self.vocab_size = self.runner.arch.vocab_size
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
+        if self.eos_token_id is None and self.runner.arch.eos_token_ids:
+            self.eos_token_id = self.runner.arch.eos_token_ids[0]
+        sched = config.scheduler
+        self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size)
+        self.scheduler = Scheduler(
+            make_policy(sched.policy), self.kv_cache, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens or max(self.max_model_len, 8192),
+            max_model_len=self.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
+        )
+        self.completions: dict[str, Completion] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.iterations: list[SchedulerOutput] = []
+        self.record_iterations = False
+
+    # ---- requests --------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids instead of a prompt")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
+        """Validate and queue; raises ValueError with the reason if the request cannot be served."""
+        params = params.validate()
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this checkpoint has none")
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id)
+        self.scheduler.add_request(request)
+        completion = Completion(request_id, list(prompt_token_ids), arrival_time=time.perf_counter(),
+                                logprobs=[] if params.logprobs is not None else None)
+        self.completions[request_id] = completion
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+        return completion
+
+    def abort(self, request_id: str) -> Delta | None:
+        event = self.scheduler.abort(request_id)
+        return self._apply(event, time.perf_counter()) if event else None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def step(self) -> list[Delta]:
+        scheduler_output = self.scheduler.schedule()
+        now = time.perf_counter()
+        for item in scheduler_output.new_requests:
+            completion = self.completions[item.request_id]
+            completion.first_scheduled_time = completion.first_scheduled_time or now
+        runner_output = self.runner.execute(scheduler_output)
+        events = self.scheduler.update(scheduler_output, runner_output)
+        if self.record_iterations:
+            self.iterations.append(scheduler_output)
+        now = time.perf_counter()
+        return [self._apply(event, now) for event in events]
+
+    def _apply(self, event: RequestOutput, now: float) -> Delta:
+        completion = self.completions[event.request_id]
+        completion.token_ids.extend(event.new_token_ids)
+        if event.new_token_ids and completion.first_token_time is None:
+            completion.first_token_time = now
+        if completion.logprobs is not None and event.logprobs:
+            completion.logprobs.extend(event.logprobs)
+        reason = event.finish_reason
+        new_text = ""
+        detok = self._detokenizers.get(event.request_id)
+        if detok is not None:
+            new_text = detok.add(event.new_token_ids)
+            if detok.stopped and reason is None:
+                reason = FinishReason.STOP
+                self.scheduler.finish(event.request_id, reason)
+            if reason is not None:
+                new_text += detok.flush()
+            completion.text = detok.text if reason is not None else completion.text + new_text
+        if reason is not None:
+            completion.finish_reason, completion.error = reason, event.error
+            completion.finished_time = now
+            self.completions.pop(event.request_id)
+            self._detokenizers.pop(event.request_id, None)
+        return Delta(completion, event.new_token_ids, new_text)

@@ -1,0 +1,179 @@
+"""RMSNorm (Llama) and LayerNorm (GPT-2), each fused with the residual add that precedes it.
+
+Both take `x` and an optional `residual` and return `(out, s)` with `s = x + residual` (or `x`): the
+model keeps `s` as the new residual stream and feeds `out` to the next layer.
+"""
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton is optional: the torch path must import on machines without it.
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# One program normalises one whole row; rows longer than 64 KiB would spill (as in Triton's tutorial).
+_MAX_FUSED_BYTES = 65536
+
+
+def _residual_sum(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    return x if residual is None else x + residual
+
+
+def rms_norm_torch(
+    x: torch.Tensor,  # (T, H)
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+    residual: torch.Tensor | None = None,  # (T, H)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference and CPU path; mirrors HF `LlamaRMSNorm` op for op (float32 math even for float64)."""
+    s = _residual_sum(x, residual)  # (T, H)
+    h = s.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(s.dtype), s
+
+
+def layer_norm_torch(
+    x: torch.Tensor,  # (T, H)
+    weight: torch.Tensor,  # (H,)
+    bias: torch.Tensor,  # (H,)
+    eps: float,
+    residual: torch.Tensor | None = None,  # (T, H)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference and CPU path; what `nn.LayerNorm` computes, in s's dtype."""
+    s = _residual_sum(x, residual)  # (T, H)
+    return F.layer_norm(s, (s.shape[-1],), weight, bias, eps), s
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr,  # (T, H) input rows
+        residual_ptr,  # (T, H) residual rows, read only if HAS_RESIDUAL
+        sum_ptr,  # (T, H) output x + residual, written only if HAS_RESIDUAL
+        out_ptr,  # (T, H) normalised output
+        weight_ptr,  # (H,) scale
+        stride_x,  # row stride of x
+        stride_r,  # row stride of residual
+        stride_s,  # row stride of sum
+        stride_o,  # row stride of out
+        H,  # row length
+        eps,  # added to the mean square
+        HAS_RESIDUAL: tl.constexpr,  # fuse the residual add
+        BLOCK_H: tl.constexpr,  # H rounded up to a power of two
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            s += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
+        h = s.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+        # Round to s's dtype before the weight multiply, as HF does.
+        y = (h * rstd).to(s.dtype).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _layer_norm_kernel(
+        x_ptr,  # (T, H) input rows
+        residual_ptr,  # (T, H) residual rows, read only if HAS_RESIDUAL
+        sum_ptr,  # (T, H) output x + residual, written only if HAS_RESIDUAL
+        out_ptr,  # (T, H) normalised output
+        weight_ptr,  # (H,) scale
+        bias_ptr,  # (H,) shift
+        stride_x,  # row stride of x
+        stride_r,  # row stride of residual
+        stride_s,  # row stride of sum
+        stride_o,  # row stride of out
+        H,  # row length
+        eps,  # added to the variance
+        HAS_RESIDUAL: tl.constexpr,  # fuse the residual add
+        BLOCK_H: tl.constexpr,  # H rounded up to a power of two
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            s += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
+        h = s.to(tl.float32)
+        mean = tl.sum(h, axis=0) / H
+        centred = tl.where(mask, h - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / H + eps)
+        w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
+        b = tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + cols, (centred * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, *params: torch.Tensor) -> None:
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be (T, H) with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"triton norms support fp16/bf16/fp32, got {x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}")
+    for p in params:
+        if p.shape != (x.shape[1],) or not p.is_contiguous():
+            raise ValueError(f"norm parameters must be contiguous ({x.shape[1]},), got {tuple(p.shape)}")
+    if x.shape[1] * x.element_size() > _MAX_FUSED_BYTES:
+        raise ValueError(f"hidden size {x.shape[1]} is too large for a one-block-per-row norm")
+
+
+def _launch_config(x: torch.Tensor) -> dict[str, int]:
+    block_h = triton.next_power_of_2(x.shape[1])
+    return {"BLOCK_H": block_h, "num_warps": min(max(block_h // 256, 1), 8)}
+
+
+def _outputs(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Output dtype follows torch promotion of `weight * normed`, as in the references.
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual  # a dummy pointer when there is no residual
+    return out, s, r
+
+
+def rms_norm_triton(
+    x: torch.Tensor,  # (T, H)
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+    residual: torch.Tensor | None = None,  # (T, H)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `rms_norm_torch`: one program per row."""
+    if triton is None:
+        raise RuntimeError("rms_norm_triton needs triton, which is not installed")
+    _check_norm_args(x, residual, weight)
+    out, s, r = _outputs(x, weight, residual)
+    if x.shape[0] > 0:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, r, s, out, weight, x.stride(0), r.stride(0), s.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=residual is not None, **_launch_config(x),
+        )  # fmt: skip
+    return out, s
+
+
+def layer_norm_triton(
+    x: torch.Tensor,  # (T, H)
+    weight: torch.Tensor,  # (H,)
+    bias: torch.Tensor,  # (H,)
+    eps: float,
+    residual: torch.Tensor | None = None,  # (T, H)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `layer_norm_torch`: one program per row, statistics in float32."""
+    if triton is None:
+        raise RuntimeError("layer_norm_triton needs triton, which is not installed")
+    _check_norm_args(x, residual, weight, bias)
+    out, s, r = _outputs(x, weight, residual)
+    if x.shape[0] > 0:
+        _layer_norm_kernel[(x.shape[0],)](
+            x, r, s, out, weight, bias, x.stride(0), r.stride(0), s.stride(0), out.stride(0), x.shape[1], eps,
+            HAS_RESIDUAL=residual is not None, **_launch_config(x),
+        )  # fmt: skip
+    return out, s

@@ -1,0 +1,134 @@
+"""The model runner: owns the model, the preallocated KV cache and per-request state, and
+turns one `SchedulerOutput` into one `RunnerOutput` (selective batching, then sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from kernels.backend import get_kernel_ops
+from model.arch import ArchConfig
+from model.loader import load_model, resolve_dtype
+from model.metadata import AttentionMetadata
+from model.sampler import SamplingState, sample
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]  # prompt + generated; the runner feeds them back as inputs
+    block_ids: list[int]
+    sampling: SamplingState
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # (N,) rows of the batch whose next token is sampled
+    sampled_request_ids: list[str]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, dtype: str, device: str, num_blocks: int, block_size: int,
+                 max_model_len: int, seed: int, kernel_backend: str = "auto") -> None:
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, device)
+        self.model, self.arch = load_model(model_dir, self.dtype, device, max_positions=max_model_len)
+        self.ops = get_kernel_ops(kernel_backend, self.device.type)
+        self.block_size = block_size
+        self.kv_caches = self._allocate_kv_cache(self.arch, num_blocks, block_size)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.requests: dict[str, RequestState] = {}
+
+    def _allocate_kv_cache(self, arch: ArchConfig, num_blocks: int,
+                           block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Allocated once at start-up; iterations only write into it."""
+        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(arch.num_layers)]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return RunnerOutput()
+        batch = self._prepare_inputs(scheduler_output.scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)  # (T, H)
+        if not batch.sampled_request_ids:
+            return RunnerOutput()  # only partial prefill chunks this iteration
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
+        states = [self.requests[r] for r in batch.sampled_request_ids]
+        tokens, logprobs = sample(logits, [s.sampling for s in states], self.generator)
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+        return RunnerOutput(
+            sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
+            logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},
+        )
+
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        new_ids = set()
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+            new_ids.add(new.request_id)
+        for item in scheduler_output.scheduled:
+            if item.request_id not in new_ids:
+                self.requests[item.request_id].block_ids.extend(item.new_block_ids)
+
+    def _new_state(self, new: NewRequestData) -> RequestState:
+        generator = None
+        if new.params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
+        tokens = list(new.token_ids)
+        return RequestState(tokens, list(new.block_ids),
+                            SamplingState(new.params, tokens, new.num_prompt_tokens, generator))
+
+    def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        logits_indices: list[int] = []
+        sampled: list[str] = []
+        for item in scheduled:
+            state = self.requests[item.request_id]
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            blocks = state.block_ids
+            input_ids.extend(state.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(blocks[:-(-end // bs)])
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            if item.samples:
+                logits_indices.append(query_start[-1] - 1)
+                sampled.append(item.request_id)
+        width = max(len(t) for t in tables)
+        table_tensor = torch.zeros((len(tables), width), dtype=torch.int32)
+        for row, table in enumerate(tables):
+            table_tensor[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=table_tensor.to(self.device),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=self._tensor(query_start, torch.int32),
+            max_query_len=max(item.num_new_tokens for item in scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        return BatchInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                           self._tensor(logits_indices, torch.int64), sampled)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)

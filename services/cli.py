@@ -1,0 +1,93 @@
+"""The `orca` command line. Flag names follow vLLM's where vLLM has the same knob."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from shared.config import (DTYPES, KERNEL_BACKENDS, SCHEDULER_POLICIES, CacheConfig, EngineConfig, ModelConfig,
+                           SchedulerConfig)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--scheduler", default="orca", choices=SCHEDULER_POLICIES, help="iteration scheduling policy")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one iteration")
+    g.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts across iterations")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV cache capacity in token slots")
+    g.add_argument("--block-size", type=int, default=16, help="KV slots per block (1 = Orca's per-slot accounting)")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
+                   help="auto: Triton kernels on CUDA, torch on CPU")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = str(Path(args.model).expanduser())
+    return EngineConfig(
+        model=ModelConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                          seed=args.seed, kernel_backend=args.kernel_backend),
+        scheduler=SchedulerConfig(policy=args.scheduler, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enable_chunked_prefill=args.enable_chunked_prefill),
+        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size),
+    )
+
+
+def cmd_make_demo_model(args: argparse.Namespace) -> int:
+    from model.demo import make_demo_model
+
+    path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    print(f"wrote a {args.size} {args.arch} checkpoint to {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.batch_job import run_batch
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config_from_args(args))
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    with source, sink:
+        counts = run_batch(engine, source, sink, progress=not args.no_progress)
+    print(f"{counts['requests']} requests, {counts['errors']} errors -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="orca", description="orca-serve: an Orca-style LLM serving system")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("make-demo-model", help="write a small random checkpoint with a locally trained tokenizer")
+    demo.add_argument("dir")
+    demo.add_argument("--arch", default="llama", choices=("llama", "gpt2"))
+    demo.add_argument("--size", default="tiny", choices=("tiny", "small"))
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_make_demo_model)
+
+    gen = sub.add_parser("generate", help="serve a JSONL file of requests in process")
+    add_engine_args(gen)
+    gen.add_argument("--input", required=True, help="JSONL requests ('-' for stdin)")
+    gen.add_argument("--output", required=True, help="JSONL results ('-' for stdout)")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # configuration errors: one clear line, no traceback
+        print(f"orca: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The request body users send: an `orca generate` input line, and (as JSON) a NATS
+`orca.v1.generate` request. Same fields as vLLM's offline API and the OpenAI API."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.sampling import SamplingParams
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("id must be a non-empty string")
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt is empty")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+
+    def sampling_params(self) -> SamplingParams:
+        """Validated sampling parameters; ValueError names the bad field."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+        ).validate()
+
+
+_decoder = msgspec.json.Decoder(GenerateRequest)
+
+
+def decode_generate_request(data: bytes | str) -> GenerateRequest:
+    """Parse one JSON request; raises ValueError with a readable reason."""
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"malformed JSON: {exc}") from None

@@ -1,0 +1,83 @@
+"""One typed, frozen engine configuration, checked once when it is built.
+
+Flag names follow vLLM's where vLLM has the same knob. Values only known at run time
+(the model's context length, EOS id, KV capacity in blocks) are not written back here:
+they travel with the objects that find them.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEDULER_POLICIES = ("orca", "request-level")
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
+KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    policy: str = "orca"
+    """`orca`: iteration-level, FCFS, reserves prompt_len + max_tokens slots at admission.
+    `request-level`: the paper's baseline; a batch forms only when the engine is idle."""
+    max_num_seqs: int = 128
+    """Most requests running (admitted) at once."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one iteration; None means max(max_model_len, 8192)."""
+    enable_chunked_prefill: bool = False
+    """Split prompts that do not fit the remaining budget into chunks (Sarathi-Serve)."""
+
+    def __post_init__(self) -> None:
+        if self.policy not in SCHEDULER_POLICIES:
+            raise ValueError(f"scheduler policy {self.policy!r} is not one of {SCHEDULER_POLICIES}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    kv_cache_tokens: int = 65536
+    """KV capacity in token slots, preallocated once at start-up (rounded down to whole blocks)."""
+    block_size: int = 16
+    """Slots per KV block: the unit of accounting. 1 gives Orca's exact per-slot reservation."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size={self.block_size} must be >= 1")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} must hold at least one block of {self.block_size}"
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_tokens // self.block_size
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: str
+    """A Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer)."""
+    dtype: str = "auto"
+    """`auto`: float32 on CPU, bfloat16 on CUDA."""
+    device: str = "cpu"
+    max_model_len: int | None = None
+    """Context length; None means the checkpoint's max_position_embeddings."""
+    seed: int = 0
+    """Seed for requests that give none."""
+    kernel_backend: str = "auto"
+    """`auto`: Triton kernels on CUDA, torch on CPU."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend {self.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} must be 'cpu' or 'cuda[:N]'")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: ModelConfig
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig()

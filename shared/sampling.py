@@ -1,0 +1,84 @@
+"""Per-request sampling parameters, shared by the CLI, the services and the engine.
+
+A frozen msgspec Struct so it travels on NATS unchanged; `validate()` turns bad user
+values into a `ValueError` that names the field (never an assert).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    max_tokens: int = 16
+    """Upper bound on generated tokens; Orca reserves prompt_len + max_tokens KV slots."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k (vLLM uses -1 for that; both are accepted)."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """A per-request seed makes sampling reproducible whatever else is in the batch."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on the detokenized text; the match is not returned."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the log-probability of each sampled token and of the top-k alternatives."""
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self) -> SamplingParams:
+        """Return self (with top_k=-1 normalised to 0) or raise ValueError naming the field."""
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               "max_tokens", self.max_tokens, "must be an integer >= 1")
+        _check(_finite(self.temperature) and self.temperature >= 0.0,
+               "temperature", self.temperature, "must be a finite number >= 0")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1,
+               "top_k", self.top_k, "must be -1, 0 (disabled) or a positive integer")
+        _check(_finite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               "seed", self.seed, "must be an integer in [0, 2**63)")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               "logprobs", self.logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
+               "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,
+               "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
+               "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if self.top_k == -1:
+            return msgspec.structs.replace(self, top_k=0)
+        return self
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}={value!r} {rule}")

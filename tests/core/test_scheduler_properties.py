@@ -1,0 +1,73 @@
+"""Property tests: whatever the workload, the scheduler keeps its promises."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from core.batch import RunnerOutput
+from tests.core.helpers import EOS, make_request, make_scheduler
+
+request_st = st.tuples(
+    st.integers(0, 6),  # arrival iteration
+    st.integers(1, 20),  # prompt length
+    st.integers(1, 12),  # max_tokens
+    st.one_of(st.none(), st.integers(0, 12)),  # output index at which EOS is sampled
+    st.one_of(st.none(), st.integers(0, 30)),  # iteration at which the client aborts
+)
+config_st = st.fixed_dictionaries({
+    "policy": st.sampled_from(["orca", "request-level"]),
+    "block_size": st.sampled_from([1, 4]),
+    "max_num_seqs": st.integers(1, 6),
+    "max_num_batched_tokens": st.sampled_from([32, 48, 200]),
+    "enable_chunked_prefill": st.booleans(),
+})
+
+
+@settings(max_examples=300, deadline=None)
+@given(config=config_st, requests=st.lists(request_st, min_size=1, max_size=12), num_blocks=st.integers(10, 40))
+def test_scheduler_invariants(config, requests, num_blocks):
+    block_size = config["block_size"]
+    s = make_scheduler(config["policy"], num_blocks=num_blocks * 4 // block_size, block_size=block_size,
+                       max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
+                       max_model_len=32, enable_chunked_prefill=config["enable_chunked_prefill"])
+    accepted: dict[str, tuple] = {}
+    finished: dict[str, object] = {}
+    admitted: list[str] = []
+    arrival_rank: dict[str, int] = {}
+    for iteration in range(500):
+        for i, (arrival, prompt_len, max_tokens, eos_at, abort_at) in enumerate(requests):
+            rid = f"r{i}"
+            if arrival == iteration:
+                try:
+                    s.add_request(make_request(rid, prompt_len, max_tokens, ignore_eos=eos_at is None))
+                except ValueError:
+                    continue  # refused up front (too long for this cache): fine, it never entered
+                accepted[rid] = (eos_at, abort_at)
+                arrival_rank[rid] = len(arrival_rank)
+            if abort_at == iteration and rid in accepted and rid not in finished:
+                event = s.abort(rid)
+                assert event is not None
+                finished[rid] = event.finish_reason
+        running_before = {r.request_id for r in s.running}
+        out = s.schedule()
+        newly = [r.request_id for r in s.running if r.request_id not in running_before]
+        if newly and config["policy"] == "request-level":
+            assert not running_before, "request-level admitted while a batch was running"
+        admitted.extend(newly)
+        # capacity: what is reserved never exceeds the cache
+        assert s.kv_cache.num_used_blocks <= s.kv_cache.num_blocks
+        sampled = {}
+        for item in out.scheduled:
+            if item.samples:
+                request = s.requests[item.request_id]
+                eos_at = accepted[item.request_id][0]
+                sampled[item.request_id] = EOS if eos_at == len(request.output_token_ids) else 7
+        for event in s.update(out, RunnerOutput(sampled_token_ids=sampled)):
+            if event.finish_reason is not None:
+                finished[event.request_id] = event.finish_reason
+        if iteration > 6 and not s.has_unfinished:
+            break
+    assert set(finished) == set(accepted), "every accepted request ends with a final event"
+    assert s.kv_cache.num_used_blocks == 0, "KV leaked"
+    assert admitted == sorted(admitted, key=arrival_rank.__getitem__), "admission is FCFS"
