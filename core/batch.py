@@ -16,14 +16,13 @@ Batch data flow, where it starts and who owns each stage:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import msgspec
 
 from shared.outputs import TokenLogprob
 from shared.sampling import SamplingParams
 
 
-@dataclass(frozen=True)
-class NewRequestData:
+class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
     """A request the runner has not seen yet (or sees again after a preemption)."""
 
     request_id: str
@@ -34,8 +33,7 @@ class NewRequestData:
     block_ids: list[int]
 
 
-@dataclass(frozen=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     num_computed_tokens: int
     """Tokens already in the KV cache; this iteration computes the next `num_new_tokens`."""
@@ -47,8 +45,9 @@ class ScheduledRequest:
     """True when this iteration reaches the request's last known token, so one is sampled."""
 
 
-@dataclass(frozen=True)
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
+    """Also the step message the engine master sends its workers, once per iteration."""
+
     iteration: int
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]
@@ -73,7 +72,14 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass(frozen=True)
-class RunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+class RunnerOutput(msgspec.Struct, frozen=True, array_like=True):
+    sampled_token_ids: dict[str, int] = msgspec.field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = msgspec.field(default_factory=dict)
+
+
+class StepResult(msgspec.Struct, frozen=True, array_like=True):
+    """worker -> engine master, once per iteration: the runner's output or why it failed."""
+
+    iteration: int
+    output: RunnerOutput | None = None
+    error: str | None = None

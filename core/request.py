@@ -20,7 +20,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     arrival_order: int = 0
     """Set by the scheduler: FCFS position, the tie-breaker everywhere."""
     output_token_ids: list[int] = field(default_factory=list)

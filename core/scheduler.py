@@ -187,7 +187,7 @@ class Scheduler:
         params = request.params
         if token in params.stop_token_ids:
             return FinishReason.STOP
-        if token == request.eos_token_id and not params.ignore_eos:
+        if token in request.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
         if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -56,7 +56,7 @@ def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any]
         try:
             request = decode_generate_request(line)
             params = request.sampling_params()
-            ids = request.prompt_token_ids if request.prompt_token_ids is not None else engine.tokenize(request.prompt or "")
+            ids = engine.prompt_ids(request)
             engine.add_request(request.id, ids, params)
             slots.append(request.id)
         except ValueError as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from core.batch import SchedulerOutput
 from core.detokenize import IncrementalDetokenizer
 from core.kv_cache import KVCacheManager
@@ -17,8 +19,9 @@ from core.policies import make_policy
 from core.request import Request
 from core.scheduler import Scheduler
 from engine.tokenizer import Tokenizer, load_tokenizer
-from model.arch import load_arch_config
+from model.arch import eos_token_ids, resolve_max_model_len
 from model.runner import ModelRunner
+from shared.api import GenerateRequest
 from shared.config import EngineConfig
 from shared.outputs import FinishReason, RequestOutput, TokenLogprob
 from shared.sampling import SamplingParams
@@ -60,19 +63,18 @@ class Delta:
         return self.completion.finish_reason is not None
 
 
-def resolve_max_model_len(config: EngineConfig) -> int:
-    context = load_arch_config(config.model.model).context_len
-    wanted = config.model.max_model_len
-    if wanted is not None and wanted > context:
-        raise ValueError(f"max_model_len={wanted} exceeds the model's context of {context} tokens")
-    return wanted or context
+def model_eos_ids(model_dir: str, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    ids = eos_token_ids(model_dir)
+    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids += (tokenizer.eos_token_id,)
+    return ids
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
                  tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.max_model_len = resolve_max_model_len(config)
+        self.max_model_len = resolve_max_model_len(config.model.model, config.model.max_model_len)
         cache = config.cache
         self.runner = runner or ModelRunner(
             config.model.model, dtype=config.model.dtype, device=config.model.device,
@@ -81,9 +83,7 @@ class LLMEngine:
         )
         self.tokenizer = tokenizer or load_tokenizer(config.model.model)
         self.vocab_size = self.runner.arch.vocab_size
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
-        if self.eos_token_id is None and self.runner.arch.eos_token_ids:
-            self.eos_token_id = self.runner.arch.eos_token_ids[0]
+        self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
         sched = config.scheduler
         self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size)
         self.scheduler = Scheduler(
@@ -98,10 +98,15 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """Token ids of a request's prompt, its chat messages, or the ids it gave."""
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
         if self.tokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids instead of a prompt")
-        return self.tokenizer.encode(prompt)
+            raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids instead")
+        if request.messages is not None:
+            return self.tokenizer.apply_chat_template([msgspec.structs.asdict(m) for m in request.messages])
+        return self.tokenizer.encode(request.prompt or "")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
         """Validate and queue; raises ValueError with the reason if the request cannot be served."""
@@ -111,7 +116,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_id)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
         self.scheduler.add_request(request)
         completion = Completion(request_id, list(prompt_token_ids), arrival_time=time.perf_counter(),
                                 logprobs=[] if params.logprobs is not None else None)

@@ -57,8 +57,10 @@ if triton is not None:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         xf = x.to(tl.float32)
         u = 0.7978845608028654 * (xf + 0.044715 * xf * xf * xf)  # sqrt(2/pi) * (x + 0.044715 x^3)
-        # tanh(u) = 1 - 2 / (exp(2u) + 1): saturates correctly at +-inf and needs no libdevice.
-        tanh_u = 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+        # tanh from exp(-2|u|) <= 1: cannot overflow, and needs no libdevice.
+        e = tl.exp(-2.0 * tl.abs(u))
+        tanh_abs = (1.0 - e) / (1.0 + e)
+        tanh_u = tl.where(u < 0, -tanh_abs, tanh_abs)
         tl.store(out_ptr + offs, (0.5 * xf * (1.0 + tanh_u)).to(x.dtype), mask=mask)
 
 

@@ -28,11 +28,15 @@ def _check_attention_args(
     query_start_loc: torch.Tensor,
 ) -> None:
     if query.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"bad shapes: query {tuple(query.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"bad shapes: query {tuple(query.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads/dim {num_heads}/{head_dim} do not fit cache heads/dim {num_kv_heads}/{k_cache.shape[3]}")
+        raise ValueError(
+            f"query heads/dim {num_heads}/{head_dim} do not fit cache heads/dim {num_kv_heads}/{k_cache.shape[3]}"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if query.dtype != k_cache.dtype or v_cache.dtype != k_cache.dtype:
@@ -126,13 +130,14 @@ def _attend_one(
     if q_len == 1:
         # Decode: fold each kv head's query group into the query-length dim, which needs neither a mask nor
         # a K/V expansion (4x faster on CPU than enable_gqa for 32/8 heads).
-        o = F.scaled_dot_product_attention(q.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim), k, v, scale=scale)
-        return o.reshape(1, num_heads, head_dim)
+        q_grouped = q.reshape(num_kv_heads, num_heads // num_kv_heads, head_dim)  # (nkv, group, hd)
+        return F.scaled_dot_product_attention(q_grouped, k, v, scale=scale).reshape(1, num_heads, head_dim)
     if q_len == ctx:
         mask, is_causal = None, True
     else:
         # SDPA's is_causal aligns top-left; with earlier context the diagonal shifts right by ctx - L.
-        mask, is_causal = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - q_len), False
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - q_len)  # (L, ctx)
+        is_causal = False
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1), k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=num_heads != num_kv_heads
     )  # (nh, L, hd)
@@ -214,7 +219,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,  # rows per program = BLOCK_Q query tokens x GROUP_PAD heads
         BLOCK_Q: tl.constexpr,  # query tokens per program
         BLOCK_N: tl.constexpr,  # KV positions per inner-loop step
-        DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32, to match torch), else "tf32" (ignored for 16-bit)
+        DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (no TF32, to match torch), else None (Triton's default)
         UPCAST: tl.constexpr,  # do dots in fp32: the interpreter's np.matmul misreads bf16 (stored as uint16)
     ):
         # Grid: (virtual query blocks, kv heads). One program serves BLOCK_Q tokens of one request and all
@@ -278,8 +283,9 @@ if triton is not None:
         )  # fmt: skip
 
 
-def _attention_blocks(group: int, head_dim: int, max_query_len: int) -> dict[str, int]:
-    """Tile sizes: tl.dot needs every dim >= 16; prefill wants taller tiles than decode."""
+def _attention_blocks(group: int, head_dim: int, max_query_len: int, element_size: int) -> dict[str, int]:
+    """Tile sizes: tl.dot needs every dim >= 16; prefill wants taller tiles than decode; fp32 tiles get
+    one fewer pipeline stage so K/V buffers fit in shared memory at head_dim 256."""
     group_pad = triton.next_power_of_2(group)
     block_m = max(16 if max_query_len * group_pad <= 16 else 64, group_pad)
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -290,6 +296,7 @@ def _attention_blocks(group: int, head_dim: int, max_query_len: int) -> dict[str
         "BLOCK_D": block_d,
         "BLOCK_N": 32 if block_d > 128 else 64,
         "num_warps": 8 if block_m * block_d >= 64 * 256 else 4,
+        "num_stages": 2 if element_size == 4 else 3,
     }
 
 
@@ -323,13 +330,13 @@ def ragged_attention_triton(
     if max_query_len is None:
         max_query_len = num_tokens - num_seqs + 1
     upcast = query.device.type == "cpu" and query.dtype == torch.bfloat16  # only the interpreter runs on cpu
-    cfg = _attention_blocks(num_heads // num_kv_heads, head_dim, max_query_len)
+    cfg = _attention_blocks(num_heads // num_kv_heads, head_dim, max_query_len, query.element_size())
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)  # covers every request's query blocks
     _ragged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast, **cfg,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else None, UPCAST=upcast, **cfg,
     )  # fmt: skip
     return out

@@ -24,7 +24,10 @@ def _check_write_kv_args(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype != torch.int64:
-        raise ValueError(f"slot_mapping must be int64 of shape ({key.shape[0]},), got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be int64 of shape ({key.shape[0]},), "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
         raise ValueError(f"key dtype {key.dtype} does not match cache dtype {k_cache.dtype}")
 

@@ -49,6 +49,11 @@ def layer_norm_torch(
 if triton is not None:
 
     @triton.jit
+    def _add_rounded(a, b):
+        # Add in fp32 and round once, as torch does for 16-bit types; the interpreter would add bf16 as uint16.
+        return (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,  # (T, H) input rows
         residual_ptr,  # (T, H) residual rows, read only if HAS_RESIDUAL
@@ -69,7 +74,7 @@ if triton is not None:
         mask = cols < H
         s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            s += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            s = _add_rounded(s, tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0))
             tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
         h = s.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
@@ -100,7 +105,7 @@ if triton is not None:
         mask = cols < H
         s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            s += tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            s = _add_rounded(s, tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0))
             tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
         h = s.to(tl.float32)
         mean = tl.sum(h, axis=0) / H
@@ -108,7 +113,8 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / H + eps)
         w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
         b = tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (centred * rstd * w + b).to(out_ptr.dtype.element_ty), mask=mask)
+        out = centred * rstd * w + b
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, *params: torch.Tensor) -> None:
@@ -117,7 +123,7 @@ def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, *params: to
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"triton norms support fp16/bf16/fp32, got {x.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match x {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
     for p in params:
         if p.shape != (x.shape[1],) or not p.is_contiguous():
             raise ValueError(f"norm parameters must be contiguous ({x.shape[1]},), got {tuple(p.shape)}")

@@ -32,7 +32,9 @@ def _check_rotary_args(
     if head_dim % 2 != 0 or cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
         raise ValueError(f"cos/sin must be (max_positions, {head_dim // 2}), got {tuple(cos.shape)}")
     if positions.shape != (query.shape[0],) or positions.dtype != torch.int64:
-        raise ValueError(f"positions must be int64 of shape ({query.shape[0]},), got {positions.dtype} {tuple(positions.shape)}")
+        raise ValueError(
+            f"positions must be int64 of shape ({query.shape[0]},), got {positions.dtype} {tuple(positions.shape)}"
+        )
 
 
 def apply_rotary_torch(
@@ -110,7 +112,7 @@ def apply_rotary_triton(
         if x.stride(-1) != 1:
             raise ValueError(f"rotary tensors need a unit stride along the last dim, got strides {x.stride()}")
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32) or key.dtype != query.dtype:
-        raise ValueError(f"triton rotary supports fp16/bf16/fp32 query and key of one dtype, got {query.dtype}, {key.dtype}")
+        raise ValueError(f"triton rotary supports fp16/bf16/fp32 q/k of one dtype, got {query.dtype}, {key.dtype}")
     if query.shape[0] == 0:
         return
     _rotate_triton(query, cos, sin, positions)

@@ -124,3 +124,19 @@ def _gpt2(raw: dict) -> ArchConfig:
         bos_token_id=raw.get("bos_token_id"),
     )
 
+
+
+def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (Llama 3 lists several)."""
+    ids = list(load_arch_config(model_dir).eos_token_ids)
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        ids += [i for i in _eos_ids(json.loads(gen.read_text())) if i not in ids]
+    return tuple(ids)
+
+
+def resolve_max_model_len(model_dir: str | Path, wanted: int | None) -> int:
+    context = load_arch_config(model_dir).context_len
+    if wanted is not None and wanted > context:
+        raise ValueError(f"max_model_len={wanted} exceeds the model's context of {context} tokens")
+    return wanted or context

@@ -12,7 +12,8 @@ from shared.config import (DTYPES, KERNEL_BACKENDS, SCHEDULER_POLICIES, CacheCon
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=model_required, help="Hugging Face checkpoint directory")
+    g.add_argument("--model", required=model_required,
+                   help="Hugging Face checkpoint directory" + ("" if model_required else " (default: the demo model)"))
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--scheduler", default="orca", choices=SCHEDULER_POLICIES, help="iteration scheduling policy")
@@ -60,6 +61,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.logs import setup_logging
+    from services.serve import resolve_model, serve
+
+    setup_logging(args.log_level)
+    resolve_model(args)
+    return serve(args, engine_config_from_args(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orca", description="orca-serve: an Orca-style LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", required=True, help="JSONL results ('-' for stdout)")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     gen.set_defaults(func=cmd_generate)
+
+    from services.serve import add_serve_args
+
+    srv = sub.add_parser("serve", help="run the services: NATS, Ray, engines, tokenizer, admission")
+    add_engine_args(srv, model_required=False)
+    add_serve_args(srv)
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

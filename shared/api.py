@@ -8,10 +8,17 @@ import msgspec
 from shared.sampling import SamplingParams
 
 
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str
+    content: str
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    """Chat messages, rendered with the checkpoint's chat template."""
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -29,8 +36,11 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("id must be a non-empty string")
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt or prompt_token_ids")
+        given = [self.prompt is not None, self.prompt_token_ids is not None, self.messages is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
@@ -58,3 +68,39 @@ def decode_generate_request(data: bytes | str) -> GenerateRequest:
         raise ValueError(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed JSON: {exc}") from None
+
+
+class Usage(msgspec.Struct, frozen=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One streamed event on a NATS generate request's reply subject (JSON). The last one has
+    `finish_reason` set ("stop", "length", "abort" or "error") and `usage`."""
+
+    id: str | None
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+    usage: Usage | None = None
+
+
+class AbortRequest(msgspec.Struct, frozen=True):
+    id: str
+
+
+_json_encoder = msgspec.json.Encoder()
+_abort_decoder = msgspec.json.Decoder(AbortRequest)
+
+
+def encode_json(message: object) -> bytes:
+    return _json_encoder.encode(message)
+
+
+def decode_abort(data: bytes) -> AbortRequest:
+    try:
+        return _abort_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(str(exc)) from None

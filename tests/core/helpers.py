@@ -22,7 +22,7 @@ def make_scheduler(policy: str = "orca", *, num_blocks: int = 64, block_size: in
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    return Request(request_id, list(range(10, 10 + prompt_len)), params, eos_token_id=EOS)
+    return Request(request_id, list(range(10, 10 + prompt_len)), params, eos_token_ids=(EOS,))
 
 
 def fake_step(output: SchedulerOutput, tokens: dict[str, int] | None = None) -> RunnerOutput:

@@ -29,7 +29,9 @@ class AttentionBatch:
     scale: float
 
     def args(self) -> tuple:
-        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
+        return (
+            self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale
+        )  # fmt: skip
 
 
 def make_attention_batch(

@@ -1,0 +1,120 @@
+"""Offline throughput on the Orca paper's workload shape, measured side by side in one run.
+
+Prints tokens/s of the `orca` and `request-level` policies (and their ratio), and the
+engine's efficiency: the time of a bare loop that replays the very same forward passes
+(the iterations the `orca` run scheduled) through the model runner with no scheduling,
+detokenization or bookkeeping, divided by the engine's time.
+
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
+        python benchmarks/engine_throughput.py --model .cache/demo-llama --num-requests 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workload import orca_paper_workload  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from model.runner import ModelRunner  # noqa: E402
+from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+
+
+def make_engine(args: argparse.Namespace, policy: str) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype),
+        scheduler=SchedulerConfig(policy=policy, max_num_seqs=args.max_num_seqs),
+        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size),
+    ))
+
+
+def run_engine(engine: LLMEngine, workload: list[dict], label: str) -> dict:
+    for r in workload:
+        engine.add_request(r["id"], r["prompt_token_ids"],
+                           SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True))
+    generated = iterations = 0
+    start = time.perf_counter()
+    while engine.has_unfinished:
+        generated += sum(len(d.new_token_ids) for d in engine.step())
+        iterations += 1
+        if iterations % 50 == 0:
+            print(f"  [{label}] iteration {iterations}, {generated} tokens", file=sys.stderr)
+    seconds = time.perf_counter() - start
+    assert engine.kv_cache.num_used_blocks == 0
+    return {"policy": label, "seconds": seconds, "generated_tokens": generated, "iterations": iterations,
+            "tokens_per_s": generated / seconds}
+
+
+def warm_up(engine: LLMEngine) -> None:
+    engine.add_request("warmup", list(range(10, 74)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+
+
+def bare_loop(args: argparse.Namespace, iterations: list, max_model_len: int) -> float:
+    """Replay the recorded iterations through a fresh runner: forward passes and sampling only."""
+    cache = CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size)
+    runner = ModelRunner(args.model, dtype=args.dtype, device="cpu", num_blocks=cache.num_blocks,
+                         block_size=cache.block_size, max_model_len=max_model_len, seed=0)
+    runner.execute(iterations[0])  # warm-up on the first iteration's shapes is not timed twice:
+    runner.requests.clear()
+    start = time.perf_counter()
+    for scheduler_output in iterations:
+        runner.execute(scheduler_output)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--kv-cache-tokens", type=int, default=131072)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write-workload", help="also write the workload as JSONL (for the vLLM baseline)")
+    parser.add_argument("--out", help="write the results as JSON")
+    args = parser.parse_args()
+
+    workload = orca_paper_workload(args.num_requests, args.seed)
+    if args.write_workload:
+        with open(args.write_workload, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in workload)
+    results = {}
+    for policy in ("orca", "request-level"):
+        engine = make_engine(args, policy)
+        warm_up(engine)
+        engine.record_iterations = policy == "orca"
+        results[policy] = run_engine(engine, workload, policy)
+        if policy == "orca":
+            recorded, max_model_len = engine.iterations, engine.max_model_len
+        print(json.dumps(results[policy]), file=sys.stderr)
+        del engine
+    bare_seconds = bare_loop(args, recorded, max_model_len)
+    orca, baseline = results["orca"], results["request-level"]
+    summary = {
+        "workload": f"{args.num_requests} requests, input U[32,512], output U[1,128], EOS ignored",
+        "orca_tokens_per_s": round(orca["tokens_per_s"], 1),
+        "request_level_tokens_per_s": round(baseline["tokens_per_s"], 1),
+        "orca_over_request_level": round(orca["tokens_per_s"] / baseline["tokens_per_s"], 3),
+        "bare_loop_seconds": round(bare_seconds, 3),
+        "engine_seconds": round(orca["seconds"], 3),
+        "engine_efficiency": round(bare_seconds / orca["seconds"], 3),
+        "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
+        "results": results,
+    }
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""python -m services.admission --nats-url nats://..."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.admission.service import AdmissionService
+from services.bus import run_service
+from services.logs import setup_logging
+
+
+async def main(args: argparse.Namespace) -> None:
+    async def start(nc) -> None:
+        await AdmissionService(nc, args.max_queue_len).start()
+
+    await run_service("orca-admission", args.nats_url, start)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m services.admission")
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting beyond this are refused")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+    asyncio.run(main(args))

@@ -1,0 +1,71 @@
+"""Admission scheduler service: one global FCFS queue in front of every engine replica.
+
+Requests come from tokenizers, engines report their room after every iteration, and the
+pure `AdmissionQueue` decides who goes where. Requests it ends itself (aborted while queued,
+queue full, impossible to serve) get their final output sent back to their tokenizer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from core.admission import AdmissionQueue, QueueFull
+from shared import subjects
+from shared.api import decode_abort
+from shared.codec import Codec
+from shared.messages import Admit, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
+from shared.outputs import FinishReason, RequestOutput
+
+log = logging.getLogger("orca.admission")
+request_codec = Codec(TokenizedRequest)
+status_codec = Codec(EngineStatus)
+
+
+class AdmissionService:
+    def __init__(self, nc: Client, max_queue_len: int) -> None:
+        self.nc = nc
+        self.queue = AdmissionQueue(max_queue_len)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.ADMISSION_SUBMIT, cb=self.on_submit)
+        await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
+        await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
+
+    async def on_submit(self, msg: Msg) -> None:
+        request = request_codec.decode(msg.data)
+        reason = self.queue.unservable(request)
+        try:
+            if reason is not None:
+                raise ValueError(reason)
+            self.queue.submit(request)
+        except (ValueError, QueueFull) as exc:
+            await self._end(request, FinishReason.ERROR, str(exc))
+            return
+        await self._admit()
+
+    async def on_status(self, msg: Msg) -> None:
+        self.queue.on_status(status_codec.decode(msg.data))
+        await self._admit()
+
+    async def on_abort(self, msg: Msg) -> None:
+        try:
+            request_id = decode_abort(msg.data).id
+        except ValueError as exc:
+            log.warning("bad abort message: %s", exc)
+            return
+        queued = self.queue.remove(request_id)
+        if queued is not None:
+            await self._end(queued, FinishReason.ABORT)
+        else:  # admitted already (or unknown): engines end it if they hold it
+            await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(request_id, FinishReason.ABORT)))
+
+    async def _admit(self) -> None:
+        for replica, sequence, requests in self.queue.decide():
+            await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
+
+    async def _end(self, request: TokenizedRequest, reason: FinishReason, error: str | None = None) -> None:
+        outputs = IterationOutputs([RequestOutput(request.request_id, finish_reason=reason, error=error)])
+        await self.nc.publish(subjects.detok(request.tokenizer_instance), Codec.encode(outputs))

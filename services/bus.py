@@ -1,0 +1,59 @@
+"""NATS connection and service lifecycle, as in nats.py's examples: one connection per
+service, reconnect forever, SIGTERM/SIGINT set an event, drain on the way out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+
+log = logging.getLogger("orca.bus")
+
+REQUEST_TIMEOUT_S = 5.0
+MAX_PAYLOAD_HINT = 1024 * 1024  # nats-server's default max_payload
+
+
+async def connect(url: str, name: str) -> Client:
+    async def on_error(exc: Exception) -> None:
+        log.warning("%s: NATS error: %s", name, exc)
+
+    async def on_disconnect() -> None:
+        log.warning("%s: disconnected from NATS", name)
+
+    async def on_reconnect() -> None:
+        log.info("%s: reconnected to NATS", name)
+
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+        error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+        pending_size=64 * 1024 * 1024,
+    )
+
+
+def stop_event_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (services stop gracefully on either)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (e.g. inside Ray)
+            pass
+    return stop
+
+
+async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[None]],
+                      stop: asyncio.Event | None = None) -> None:
+    """Connect, let `start` subscribe, wait for a stop signal, then drain."""
+    stop = stop or stop_event_on_signals()
+    nc = await connect(url, name)
+    try:
+        await start(nc)
+        log.info("%s: ready on %s", name, url)
+        await stop.wait()
+    finally:
+        await nc.drain()

@@ -1,0 +1,206 @@
+"""The engine master: the Orca loop of one model replica.
+
+Every iteration: schedule (the pure core), send one step message to the workers, wait for
+one result message, update, then publish the new tokens (one message per tokenizer
+instance) and the engine's status (for admission). Admits and cancels arrive between
+iterations on the same event loop, so the scheduler is only ever touched by one task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import OrderedDict
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from core.batch import RunnerOutput, SchedulerOutput, StepResult
+from core.kv_cache import KVCacheManager
+from core.policies import make_policy
+from core.request import Request
+from core.scheduler import Scheduler
+from services.engine.workers import WorkerDied, WorkerGroup
+from shared import subjects
+from shared.codec import Codec
+from shared.config import EngineConfig
+from shared.messages import Admit, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
+from shared.outputs import FinishReason, RequestOutput
+
+log = logging.getLogger("orca.engine")
+admit_codec, cancel_codec, result_codec = Codec(Admit), Codec(Cancel), Codec(StepResult)
+RECENT_CANCELS = 10_000
+
+
+class StepFailed(Exception):
+    pass
+
+
+class EngineMaster:
+    def __init__(self, config: EngineConfig, replica: str, nc: Client, workers: WorkerGroup, *,
+                 max_model_len: int, eos_token_ids: tuple[int, ...], step_timeout_s: float = 120.0) -> None:
+        self.config, self.replica, self.nc, self.workers = config, replica, nc, workers
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.step_timeout_s = step_timeout_s
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.scheduler = self._new_scheduler()
+        self.owners: dict[str, str] = {}  # request id -> tokenizer instance that owns it
+        self.recent_cancels: OrderedDict[str, FinishReason] = OrderedDict()
+        self.last_admit_sequence = 0
+        self.ready = False
+        self.iteration_log: list[tuple[int, list[str]]] = []
+        self._wake = asyncio.Event()
+        self._results: dict[int, asyncio.Future[StepResult]] = {}
+
+    def _new_scheduler(self) -> Scheduler:
+        s, c = self.config.scheduler, self.config.cache
+        return Scheduler(make_policy(s.policy), KVCacheManager(c.num_blocks, c.block_size),
+                         max_num_seqs=s.max_num_seqs,
+                         max_num_batched_tokens=s.max_num_batched_tokens or max(self.max_model_len, 8192),
+                         max_model_len=self.max_model_len, enable_chunked_prefill=s.enable_chunked_prefill)
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.engine_admit(self.replica), cb=self.on_admit)
+        await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
+        await self.nc.subscribe(subjects.engine_result(self.replica), cb=self.on_result)
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.workers.start()
+        self.ready = True
+        await self.publish_status()
+        while not stop.is_set():
+            if not self.scheduler.has_unfinished:
+                await self._idle(stop)
+                continue
+            try:
+                await self.step()
+            except (StepFailed, WorkerDied) as exc:
+                await self._recover(exc)
+        self.ready = False
+        await self.publish_status()
+
+    async def step(self) -> None:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            await asyncio.sleep(0)
+            return
+        result = await self.execute(scheduler_output)
+        events = self.scheduler.update(scheduler_output, result)
+        self.iteration_log.append((scheduler_output.iteration, [s.request_id for s in scheduler_output.scheduled]))
+        await self.publish_outputs(events)
+        await self.publish_status()
+
+    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        future = asyncio.get_running_loop().create_future()
+        self._results[scheduler_output.iteration] = future
+        try:
+            await self.nc.publish(subjects.engine_step(self.replica), Codec.encode(scheduler_output))
+            result = await self.workers.wait(future, self.step_timeout_s)
+        finally:
+            self._results.pop(scheduler_output.iteration, None)
+        if result.error is not None or result.output is None:
+            raise StepFailed(result.error or "worker returned no output")
+        return result.output
+
+    async def _idle(self, stop: asyncio.Event) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+        except asyncio.TimeoutError:
+            await self.publish_status()  # heartbeat
+
+    async def _recover(self, exc: Exception) -> None:
+        """The step failed: every request on this engine ends with a clear error, then the
+        workers are brought back (Ray restarts a dead one) and the engine serves again."""
+        log.error("engine %s: step failed: %s", self.replica, exc)
+        self.ready = False
+        await self.publish_status()
+        message = f"engine {self.replica} failed: {exc}"
+        events = [e for rid in list(self.scheduler.requests)
+                  if (e := self.scheduler.finish(rid, FinishReason.ERROR, message)) is not None]
+        await self.publish_outputs(events)
+        self.scheduler = self._new_scheduler()
+        await self.workers.restart(hard=isinstance(exc, WorkerDied))
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.last_admit_sequence = 0
+        self.ready = True
+        await self.publish_status()
+
+    # ---- messages in ---------------------------------------------------------------------
+
+    async def on_admit(self, msg: Msg) -> None:
+        admit = admit_codec.decode(msg.data)
+        errors: list[RequestOutput] = []
+        for tokenized in admit.requests:
+            error = self._add(tokenized)
+            if error is not None:
+                errors.append(error)
+        self.last_admit_sequence = max(self.last_admit_sequence, admit.sequence)
+        await self.publish_outputs(errors)
+        await self.publish_status()
+        self._wake.set()
+
+    def _add(self, tokenized: TokenizedRequest) -> RequestOutput | None:
+        rid = tokenized.request_id
+        self.owners[rid] = tokenized.tokenizer_instance
+        cancelled = self.recent_cancels.pop(rid, None)
+        if cancelled is not None:  # the cancel overtook the admission
+            return RequestOutput(rid, finish_reason=cancelled)
+        if not self.ready:
+            return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=f"engine {self.replica} is not ready")
+        try:
+            self.scheduler.add_request(Request(rid, tokenized.prompt_token_ids, tokenized.params, self.eos_token_ids))
+        except ValueError as exc:
+            return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=str(exc))
+        return None
+
+    async def on_cancel(self, msg: Msg) -> None:
+        cancel = cancel_codec.decode(msg.data)
+        event = self.scheduler.finish(cancel.request_id, cancel.reason)
+        if event is None:
+            self.recent_cancels[cancel.request_id] = cancel.reason
+            while len(self.recent_cancels) > RECENT_CANCELS:
+                self.recent_cancels.popitem(last=False)
+            return
+        await self.publish_outputs([event])
+        await self.publish_status()
+
+    async def on_result(self, msg: Msg) -> None:
+        result = result_codec.decode(msg.data)
+        future = self._results.get(result.iteration)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    # ---- messages out --------------------------------------------------------------------
+
+    async def publish_outputs(self, events: list[RequestOutput]) -> None:
+        by_owner: dict[str, list[RequestOutput]] = {}
+        for event in events:
+            owner = self.owners.get(event.request_id)
+            if owner is None:
+                continue
+            by_owner.setdefault(owner, []).append(event)
+            if event.finish_reason is not None:
+                del self.owners[event.request_id]
+        for owner, outputs in by_owner.items():
+            await self.nc.publish(subjects.detok(owner), Codec.encode(IterationOutputs(outputs)))
+
+    def status(self) -> EngineStatus:
+        kv = self.scheduler.kv_cache
+        waiting_blocks = sum(kv.blocks_needed(self.scheduler.policy.reservation(r, self.max_model_len))
+                             for r in self.scheduler.waiting)
+        return EngineStatus(
+            replica=self.replica, incarnation=self.incarnation, ready=self.ready, block_size=kv.block_size,
+            num_blocks=kv.num_blocks, admissible_blocks=max(0, kv.num_free_blocks - waiting_blocks),
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+            last_admit_sequence=self.last_admit_sequence, iteration=self.scheduler._iteration,
+            kv_used_blocks=kv.num_used_blocks,
+        )
+
+    async def publish_status(self) -> None:
+        await self.nc.publish(subjects.ENGINE_STATUS, Codec.encode(self.status()))

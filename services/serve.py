@@ -1,0 +1,175 @@
+"""`orca serve`: the whole system on this machine, or attached to existing NATS / Ray.
+
+Starts (unless pointed elsewhere) a local nats-server and a local Ray, the engine masters
+and their workers as Ray actors, and the tokenizer and admission services as processes
+(`python -m services.<name>`, as docker-compose runs them). Stays up until Ctrl-C or
+SIGTERM, then stops everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+from shared import env, subjects
+from shared.codec import Codec
+from shared.config import EngineConfig
+from shared.messages import EngineStatus
+
+log = logging.getLogger("orca.serve")
+status_codec = Codec(EngineStatus)
+
+
+def ensure_demo_model() -> str:
+    path = env.cache_dir() / "demo-llama-tiny"
+    if not (path / "config.json").is_file():
+        from model.demo import make_demo_model
+
+        print(f"making the demo model (first run) in {path} ...", file=sys.stderr)
+        make_demo_model(path, arch="llama", size="tiny")
+    return str(path)
+
+
+def service_command(name: str, nats_url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", f"services.{name}", "--nats-url", nats_url, *extra]
+
+
+def start_engines(config: EngineConfig, nats_url: str, replicas: int, worker_threads: int | None) -> list:
+    import ray
+
+    from services.engine.actor import EngineMasterActor
+
+    actor_cls = ray.remote(EngineMasterActor)
+    masters = []
+    for i in range(replicas):
+        master = actor_cls.options(name=f"orca-engine-{i}", num_cpus=0, max_concurrency=64).remote(
+            config, nats_url, str(i), worker_threads=worker_threads)
+        master.run.remote()
+        masters.append(master)
+    return masters
+
+
+async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float) -> None:
+    """Until every engine reports ready and a tokenizer answers a probe."""
+    from services.bus import connect
+
+    nc = await connect(nats_url, "orca-serve-probe")
+    ready: set[str] = set()
+    got_all = asyncio.Event()
+
+    async def on_status(msg) -> None:
+        status = status_codec.decode(msg.data)
+        if status.ready:
+            ready.add(status.replica)
+            if len(ready) >= replicas:
+                got_all.set()
+
+    await nc.subscribe(subjects.ENGINE_STATUS, cb=on_status)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not got_all.is_set():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engines not ready after {timeout_s:.0f} s ({len(ready)}/{replicas} ready)")
+            print(f"  waiting for engines: {len(ready)}/{replicas} ready", file=sys.stderr)
+            try:
+                await asyncio.wait_for(got_all.wait(), timeout=5)
+            except asyncio.TimeoutError:
+                pass
+        while True:
+            try:
+                await nc.request(subjects.GENERATE, b"{}", timeout=2)
+                return
+            except Exception:  # noqa: BLE001 - the tokenizer is still starting
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the tokenizer service did not answer") from None
+                await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+
+
+def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    import ray
+
+    from services.nats_server import LocalNatsServer
+
+    stop = {"now": False}
+
+    def on_signal(signum, frame) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with ExitStack() as stack:
+        nats_url = args.nats_url
+        if nats_url is None:
+            server = LocalNatsServer().start()
+            stack.callback(server.cleanup)
+            nats_url = server.url
+        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
+                 configure_logging=False)
+        stack.callback(ray.shutdown)
+        processes = [
+            subprocess.Popen(service_command("tokenizer", nats_url, "--model", config.model.model)),
+            subprocess.Popen(service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len))),
+        ]
+        stack.callback(_stop_processes, processes)
+        masters = start_engines(config, nats_url, args.replicas, args.worker_threads)
+        stack.callback(_stop_masters, masters)
+        asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout))
+        print(f"orca-serve is up: NATS {nats_url}, {args.replicas} engine replica(s) of {config.model.model}\n"
+              f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"
+              f"  abort:    publish {{\"id\": ...}} to '{subjects.ABORT}'\n"
+              f"Ctrl-C or SIGTERM stops everything.", flush=True)
+        while not stop["now"]:
+            for p in processes:
+                if p.poll() is not None:
+                    print(f"orca: service {p.args[2]} exited with {p.returncode}; stopping", file=sys.stderr)
+                    stop["now"] = True
+            time.sleep(0.2)
+        print("orca-serve: stopping", file=sys.stderr, flush=True)
+    return 0
+
+
+def _stop_processes(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in processes:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def _stop_masters(masters: list) -> None:
+    import ray
+
+    try:
+        ray.get([m.stop.remote() for m in masters], timeout=10)
+    except Exception:  # noqa: BLE001 - best effort; ray.shutdown follows
+        pass
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("serve")
+    g.add_argument("--nats-url", default=env.nats_url_default(), help="use this NATS instead of starting one")
+    g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
+    g.add_argument("--replicas", type=int, default=1, help="engine replicas (each with its own workers)")
+    g.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--max-queue-len", type=int, default=1024, help="admission queue bound")
+    g.add_argument("--startup-timeout", type=float, default=300.0)
+    g.add_argument("--log-level", default="INFO")
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    if args.model is None:
+        args.model = ensure_demo_model()
+    elif not Path(args.model).expanduser().is_dir():
+        raise ValueError(f"--model {args.model} is not a directory")

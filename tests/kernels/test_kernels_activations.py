@@ -1,0 +1,46 @@
+"""SwiGLU's silu_and_mul and GPT-2's tanh GELU."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.activations import gelu_tanh_torch, gelu_tanh_triton, silu_and_mul_torch, silu_and_mul_triton
+from kernels.activations import triton as _triton
+
+needs_triton = pytest.mark.skipif(_triton is None, reason="triton is not installed")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _x(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return (3 * torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(dtype)
+
+
+def test_silu_and_mul_torch_formula():
+    x = _x((4, 2 * 24), torch.float64)
+    assert torch.equal(silu_and_mul_torch(x), F.silu(x[:, :24]) * x[:, 24:])
+
+
+def test_gelu_tanh_torch_formula():
+    x = _x((4, 24), torch.float64)
+    expected = 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    assert torch.equal(gelu_tanh_torch(x), expected)
+
+
+@needs_triton
+@pytest.mark.parametrize("inter", [24, 1100])  # 1100 spans two column blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_silu_and_mul_triton(inter, dtype):
+    x = _x((3, 2 * inter), dtype)
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_torch(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(3, 24), (2, 5, 700)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gelu_tanh_triton(shape, dtype):
+    x = _x(shape, dtype)
+    x[0, 0] = 30.0  # tanh saturation
+    x[0, 1] = -30.0
+    torch.testing.assert_close(gelu_tanh_triton(x), gelu_tanh_torch(x), atol=TOL[dtype], rtol=TOL[dtype])

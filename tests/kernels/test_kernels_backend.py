@@ -1,0 +1,84 @@
+"""Choosing the kernel implementation."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import backend
+from kernels.backend import KernelOps, get_kernel_ops
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_torch_and_auto_on_cpu():
+    assert get_kernel_ops("torch", "cuda") is backend.TORCH_OPS
+    assert get_kernel_ops("auto", "cpu") is backend.TORCH_OPS
+    assert get_kernel_ops("auto", "mps") is backend.TORCH_OPS
+
+
+@pytest.mark.skipif(backend.attention.triton is None, reason="triton is not installed")
+def test_triton_on_cuda_and_on_cpu_under_interpreter():
+    assert get_kernel_ops("auto", "cuda") is backend.TRITON_OPS
+    assert get_kernel_ops("triton", "cuda") is backend.TRITON_OPS
+    assert get_kernel_ops("triton", "cpu") is backend.TRITON_OPS  # conftest set TRITON_INTERPRET=1
+    with pytest.raises(ValueError, match="runs on cuda"):
+        get_kernel_ops("triton", "mps")
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError, match="unknown kernel backend 'cuda'"):
+        get_kernel_ops("cuda", "cuda")
+
+
+def test_ops_are_frozen():
+    ops = get_kernel_ops("torch", "cpu")
+    assert isinstance(ops, KernelOps)
+    with pytest.raises(AttributeError):
+        ops.attention = None  # type: ignore[misc]
+
+
+def _run_python(code: str, env_updates: dict[str, str | None]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in env_updates}
+    env.update({k: v for k, v in env_updates.items() if v is not None})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_torch_path_without_triton():
+    """Every kernels module imports, and the torch ops work, on a machine without triton."""
+    code = """
+import sys
+sys.modules["triton"] = None  # makes `import triton` raise ImportError
+import torch
+from kernels.backend import get_kernel_ops
+ops = get_kernel_ops("auto", "cuda")
+assert ops.attention.__name__ == "ragged_attention_torch"
+out, _ = ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)
+try:
+    get_kernel_ops("triton", "cuda")
+except ValueError as e:
+    assert "not installed" in str(e)
+else:
+    raise AssertionError("expected ValueError")
+"""
+    result = _run_python(code, {"TRITON_INTERPRET": None})
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(backend.attention.triton is None, reason="triton is not installed")
+def test_triton_on_cpu_needs_interpreter():
+    code = """
+from kernels.backend import get_kernel_ops
+try:
+    get_kernel_ops("triton", "cpu")
+except ValueError as e:
+    assert "TRITON_INTERPRET=1" in str(e)
+else:
+    raise AssertionError("expected ValueError")
+"""
+    result = _run_python(code, {"TRITON_INTERPRET": None})
+    assert result.returncode == 0, result.stderr
