@@ -4,6 +4,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kernels import activations, attention, kv_cache, norms, rotary
 
 
@@ -11,13 +13,13 @@ from kernels import activations, attention, kv_cache, norms, rotary
 class KernelOps:
     """The seven kernels a forward pass needs; every pair of implementations shares one signature."""
 
-    write_kv: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping) -> None
-    attention: Callable[..., object]  # (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> out
-    rms_norm: Callable[..., object]  # (x, weight, eps, residual=None) -> (out, x + residual)
-    layer_norm: Callable[..., object]  # (x, weight, bias, eps, residual=None) -> (out, x + residual)
-    silu_and_mul: Callable[..., object]  # (x (T, 2I)) -> (T, I)
-    gelu_tanh: Callable[..., object]  # (x) -> x.shape
-    apply_rotary: Callable[..., None]  # (query, key, cos, sin, positions) -> None, in place
+    write_kv: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping), in place
+    attention: Callable[..., torch.Tensor]  # (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, weight, eps, residual=None) -> (out, sum)
+    layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, weight, bias, eps, residual=None) -> (out, sum)
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # (T, 2I) -> (T, I)
+    gelu_tanh: Callable[[torch.Tensor], torch.Tensor]  # any shape
+    apply_rotary: Callable[..., None]  # (query, key, cos, sin, positions), in place
 
 
 TORCH_OPS = KernelOps(

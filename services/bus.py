@@ -56,4 +56,13 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[N
         log.info("%s: ready on %s", name, url)
         await stop.wait()
     finally:
+        await drain_quietly(nc)
+
+
+async def drain_quietly(nc: Client) -> None:
+    """Drain, or just close when the server is already gone (shutdown order is not ours to pick)."""
+    try:
         await nc.drain()
+    except Exception as exc:  # noqa: BLE001
+        log.info("drain failed (%s); closing", exc)
+        await nc.close()

@@ -49,7 +49,8 @@ class LocalNatsServer:
             f"jetstream {{ store_dir: {str(Path(self.store_dir) / 'jetstream')!r} }}\n".replace("'", '"')
         )
         self.process = subprocess.Popen([nats_server_binary(), "-c", str(config)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -104,8 +104,6 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     def on_signal(signum, frame) -> None:
         stop["now"] = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     with ExitStack() as stack:
         nats_url = args.nats_url
         if nats_url is None:
@@ -115,9 +113,16 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
                  configure_logging=False)
         stack.callback(ray.shutdown)
+        # After ray.init, which installs handlers of its own; children run in their own sessions so a
+        # terminal's Ctrl-C reaches only this process, which then stops them in order.
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
         processes = [
-            subprocess.Popen(service_command("tokenizer", nats_url, "--model", config.model.model)),
-            subprocess.Popen(service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len))),
+            subprocess.Popen(service_command("tokenizer", nats_url, "--model", config.model.model),
+                             start_new_session=True),
+            subprocess.Popen(service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len)),
+                             start_new_session=True),
+            subprocess.Popen(service_command("jobs", nats_url), start_new_session=True),
         ]
         stack.callback(_stop_processes, processes)
         masters = start_engines(config, nats_url, args.replicas, args.worker_threads)
@@ -126,6 +131,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         print(f"orca-serve is up: NATS {nats_url}, {args.replicas} engine replica(s) of {config.model.model}\n"
               f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"
               f"  abort:    publish {{\"id\": ...}} to '{subjects.ABORT}'\n"
+              f"  jobs:     JetStream publish to '{subjects.JOBS_SUBMIT}' (Nats-Msg-Id header), "
+              f"results on '{subjects.JOBS_RESULT_PREFIX}.<id>'\n"
               f"Ctrl-C or SIGTERM stops everything.", flush=True)
         while not stop["now"]:
             for p in processes:

@@ -85,6 +85,8 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     finish_reason: str | None
     error: str | None = None
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    """On the final event only."""
 
 
 class AbortRequest(msgspec.Struct, frozen=True):

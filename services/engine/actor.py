@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from model.arch import eos_token_ids, resolve_max_model_len
-from services.bus import connect
+from services.bus import connect, drain_quietly
 from services.engine.master import EngineMaster
 from services.engine.worker import Worker
 from services.engine.workers import RayWorkerGroup
@@ -38,7 +38,7 @@ class EngineMasterActor:
         try:
             await self.master.run(self._stop)
         finally:
-            await nc.drain()
+            await drain_quietly(nc)
 
     async def stop(self) -> None:
         self._stop.set()

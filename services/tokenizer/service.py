@@ -34,7 +34,7 @@ outputs_codec = Codec(IterationOutputs)
 class ActiveRequest:
     reply: str
     detokenizer: IncrementalDetokenizer
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
     num_generated: int = 0
 
 
@@ -64,7 +64,7 @@ class TokenizerService:
             await self._publish(msg.reply, GenerateEvent(_id_of(msg.data), [], "", "error", error=str(exc)))
             return
         self.active[request.id] = ActiveRequest(
-            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), len(prompt_ids))
+            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, time.time())
         await self.nc.publish(subjects.ADMISSION_SUBMIT, Codec.encode(tokenized))
 
@@ -99,7 +99,7 @@ class TokenizerService:
         del self.active[output.request_id]
         await self._publish(state.reply, GenerateEvent(
             output.request_id, list(output.new_token_ids), text, reason.label, error=output.error,
-            usage=Usage(state.num_prompt_tokens, state.num_generated)))
+            usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids))
 
     async def _publish(self, subject: str, event: GenerateEvent) -> None:
         await self.nc.publish(subject, encode_json(event))

@@ -68,6 +68,29 @@ def make_attention_batch(
     return AttentionBatch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, head_dim**-0.5)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "triton: runs a Triton kernel on CPU tensors through the interpreter")
+
+
+def _triton_skip_reason() -> str | None:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return "triton is not installed"
+    from kernels import attention
+
+    if not isinstance(attention._ragged_attention_kernel, InterpretedFunction):
+        return "kernels/ was imported before TRITON_INTERPRET=1 was set (collect tests/kernels first, or alone)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items if item.get_closest_marker("triton")]
+    reason = _triton_skip_reason() if marked else None
+    for item in marked if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def attention_batch():
     """The batch factory, as a fixture because test modules cannot import conftest."""

@@ -7,9 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activations import gelu_tanh_torch, gelu_tanh_triton, silu_and_mul_torch, silu_and_mul_triton
-from kernels.activations import triton as _triton
 
-needs_triton = pytest.mark.skipif(_triton is None, reason="triton is not installed")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -28,7 +26,7 @@ def test_gelu_tanh_torch_formula():
     assert torch.equal(gelu_tanh_torch(x), expected)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("inter", [24, 1100])  # 1100 spans two column blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_silu_and_mul_triton(inter, dtype):
@@ -36,7 +34,7 @@ def test_silu_and_mul_triton(inter, dtype):
     torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_torch(x), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("shape", [(3, 24), (2, 5, 700)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_gelu_tanh_triton(shape, dtype):

@@ -10,9 +10,7 @@ from kernels.attention import (
     ragged_attention_torch,
     ragged_attention_triton,
 )
-from kernels.attention import triton as _triton
 
-needs_triton = pytest.mark.skipif(_triton is None, reason="triton is not installed")
 
 # (q_len, seq_len): a 1-token prompt, a whole prompt, a chunk after cached context, decodes (one past a
 # 64-position KV tile), and a chunk longer than a 16-token query block.
@@ -84,7 +82,7 @@ def test_torch_property(attention_batch, requests, heads, head_dim, block_size, 
 # ---- Triton kernel (interpreter on CPU) ------------------------------------------------------------
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
 def test_triton_heads_and_dims(attention_batch, num_heads, num_kv_heads, head_dim):
@@ -92,7 +90,7 @@ def test_triton_heads_and_dims(attention_batch, num_heads, num_kv_heads, head_di
     _assert_close(ragged_attention_triton(*batch.args()), attention_dense_reference(*batch.args()))
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])
 @pytest.mark.parametrize("requests", [MIXED, DECODES], ids=["mixed", "decodes"])
@@ -101,7 +99,7 @@ def test_triton_layouts(attention_batch, block_size, scattered, requests):
     _assert_close(ragged_attention_triton(*batch.args()), attention_dense_reference(*batch.args()))
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 1)])
 def test_triton_half_precision(attention_batch, dtype, num_heads, num_kv_heads):
@@ -109,13 +107,13 @@ def test_triton_half_precision(attention_batch, dtype, num_heads, num_kv_heads):
     _assert_close(ragged_attention_triton(*batch.args()), attention_dense_reference(*batch.args()))
 
 
-@needs_triton
+@pytest.mark.triton
 def test_triton_head_dim_256(attention_batch):
     batch = attention_batch([(1, 20), (6, 30), (3, 3)], 2, 1, 256, 16, torch.float32, scattered=True)
     _assert_close(ragged_attention_triton(*batch.args()), attention_dense_reference(*batch.args()))
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("max_query_len", [None, 18, 1000])
 def test_triton_tile_hint_does_not_change_result(attention_batch, max_query_len):
     batch = attention_batch(MIXED, 4, 2, 64, 16, torch.float32, scattered=True)
@@ -123,7 +121,7 @@ def test_triton_tile_hint_does_not_change_result(attention_batch, max_query_len)
     _assert_close(out, attention_dense_reference(*batch.args()))
 
 
-@needs_triton
+@pytest.mark.triton
 def test_triton_strided_query(attention_batch):
     """The runner passes query as a view into a fused qkv projection."""
     batch = attention_batch(MIXED, 4, 2, 64, 16, torch.float32, scattered=True)
@@ -134,7 +132,7 @@ def test_triton_strided_query(attention_batch):
     _assert_close(ragged_attention_triton(*batch.args()), attention_dense_reference(*batch.args()))
 
 
-@needs_triton
+@pytest.mark.triton
 def test_triton_empty_batch(attention_batch):
     batch = attention_batch([(1, 1)], 2, 1, 16, 4, torch.float32, scattered=False)
     batch.query, batch.query_start_loc = batch.query[:0], torch.zeros(2, dtype=torch.int32)

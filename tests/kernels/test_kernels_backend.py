@@ -20,7 +20,7 @@ def test_torch_and_auto_on_cpu():
     assert get_kernel_ops("auto", "mps") is backend.TORCH_OPS
 
 
-@pytest.mark.skipif(backend.attention.triton is None, reason="triton is not installed")
+@pytest.mark.triton
 def test_triton_on_cuda_and_on_cpu_under_interpreter():
     assert get_kernel_ops("auto", "cuda") is backend.TRITON_OPS
     assert get_kernel_ops("triton", "cuda") is backend.TRITON_OPS

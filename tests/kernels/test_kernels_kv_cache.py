@@ -3,10 +3,8 @@
 import pytest
 import torch
 
-from kernels.kv_cache import triton as _triton
 from kernels.kv_cache import write_kv_torch, write_kv_triton
 
-needs_triton = pytest.mark.skipif(_triton is None, reason="triton is not installed")
 
 
 def _case(block_size: int, head_dim: int, dtype: torch.dtype, num_tokens: int = 11, num_kv_heads: int = 2):
@@ -35,7 +33,7 @@ def test_torch_writes_slots(block_size):
     assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -5,9 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.norms import layer_norm_torch, layer_norm_triton, rms_norm_torch, rms_norm_triton
-from kernels.norms import triton as _triton
 
-needs_triton = pytest.mark.skipif(_triton is None, reason="triton is not installed")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -43,7 +41,7 @@ def test_layer_norm_torch_formula(with_residual):
     assert torch.equal(out, F.layer_norm(s, (48,), weight, bias, 1e-5))
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [64, 80, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -56,7 +54,7 @@ def test_rms_norm_triton(with_residual, hidden, dtype):
     torch.testing.assert_close(out, out_exp, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [64, 80, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -69,7 +67,7 @@ def test_layer_norm_triton(with_residual, hidden, dtype):
     torch.testing.assert_close(out, out_exp, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@needs_triton
+@pytest.mark.triton
 def test_rms_norm_triton_fp32_weight_promotes():
     x, _, _, _ = _inputs(64, torch.float16)
     weight = torch.rand(64)

@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from kernels.rotary import apply_rotary_torch, apply_rotary_triton
-from kernels.rotary import triton as _triton
 
-needs_triton = pytest.mark.skipif(_triton is None, reason="triton is not installed")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
@@ -34,7 +32,7 @@ def test_torch_formula():
     assert torch.equal(qkv[:, nh + nkv :], original[:, nh + nkv :])  # values untouched
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_matches_torch(head_dim, dtype):
@@ -45,7 +43,7 @@ def test_triton_matches_torch(head_dim, dtype):
     torch.testing.assert_close(qkv, expected, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@needs_triton
+@pytest.mark.triton
 def test_triton_many_heads():
     """More heads than fit in one program's tile."""
     qkv, cos, sin, positions, nh, nkv = _case(256, torch.float32, num_heads=40, num_kv_heads=8, num_tokens=2)

@@ -1,0 +1,27 @@
+"""python -m services.jobs --nats-url nats://..."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from services.bus import run_service
+from services.jobs.service import JobsService
+from services.logs import setup_logging
+
+
+async def main(args: argparse.Namespace) -> None:
+    async def start(nc) -> None:
+        await JobsService(nc, args.concurrency).start()
+
+    await run_service("orca-jobs", args.nats_url, start)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m services.jobs")
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--concurrency", type=int, default=64, help="jobs generated at once")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+    asyncio.run(main(args))

@@ -1,0 +1,145 @@
+"""Durable jobs over JetStream: exactly one generation and one stored result per job id.
+
+Producers publish to `orca.v1.jobs.submit` (a work-queue stream) with a `Nats-Msg-Id`
+header; JetStream drops duplicates published inside its window. A job is generated
+through the normal `orca.v1.generate` path, its result stored on
+`orca.v1.jobs.result.<id>` (a stream keeping the last message per subject, so a producer
+can read it later), and only then acked. A redelivered job whose result is already stored
+is acked without generating again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType
+from nats.js.errors import NotFoundError
+
+from shared import subjects
+from shared.api import decode_generate_request, encode_json
+
+log = logging.getLogger("orca.jobs")
+DUPLICATE_WINDOW_S = 600.0
+ACK_WAIT_S = 120.0
+IDLE_EVENT_TIMEOUT_S = 300.0
+
+
+class JobResult(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Same shape as an `orca generate` output line."""
+
+    id: str
+    finish_reason: str
+    prompt_token_ids: list[int] = []
+    token_ids: list[int] = []
+    text: str = ""
+    error: str | None = None
+    metrics: dict[str, float] = {}
+
+
+async def ensure_streams(nc: Client) -> None:
+    js = nc.jetstream()
+    await js.add_stream(name=subjects.JOBS_STREAM, subjects=[subjects.JOBS_SUBMIT],
+                        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
+                        duplicate_window=DUPLICATE_WINDOW_S)
+    await js.add_stream(name=subjects.JOBS_RESULTS_STREAM, subjects=[f"{subjects.JOBS_RESULT_PREFIX}.>"],
+                        storage=StorageType.FILE, max_msgs_per_subject=1)
+
+
+class JobsService:
+    def __init__(self, nc: Client, concurrency: int = 64) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.concurrency = asyncio.Semaphore(concurrency)
+        self.in_flight: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await ensure_streams(self.nc)
+        self.sub = await self.js.pull_subscribe(
+            subjects.JOBS_SUBMIT, durable=subjects.JOBS_CONSUMER, stream=subjects.JOBS_STREAM,
+            config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_ack_pending=1024))
+        self._loop = asyncio.create_task(self._pull())
+
+    async def _pull(self) -> None:
+        while True:
+            await self.concurrency.acquire()
+            self.concurrency.release()
+            try:
+                messages = await self.sub.fetch(batch=16, timeout=1.0)
+            except NatsTimeout:
+                continue
+            except Exception as exc:  # noqa: BLE001 - reconnecting; try again shortly
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for msg in messages:
+                task = asyncio.create_task(self._handle(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    def job_id(self, msg) -> str:
+        header = (msg.headers or {}).get("Nats-Msg-Id")
+        if header:
+            return header
+        try:
+            return decode_generate_request(msg.data).id
+        except ValueError:
+            return f"seq-{msg.metadata.sequence.stream}"
+
+    async def _handle(self, msg) -> None:
+        job_id = self.job_id(msg)
+        if job_id in self.in_flight:
+            return  # redelivered while this instance still works on it: the first one acks
+        async with self.concurrency:
+            self.in_flight.add(job_id)
+            try:
+                if await self.result_exists(job_id):
+                    await msg.ack()
+                    return
+                result = await self._generate(job_id, msg)
+                await self.js.publish(subjects.jobs_result(job_id), encode_json(result))
+                await msg.ack()
+            except Exception as exc:  # noqa: BLE001 - not acked: JetStream redelivers it
+                log.warning("job %s not finished (%s); it will be redelivered", job_id, exc)
+                await msg.nak(delay=2.0)
+            finally:
+                self.in_flight.discard(job_id)
+
+    async def result_exists(self, job_id: str) -> bool:
+        try:
+            await self.js.get_last_msg(subjects.JOBS_RESULTS_STREAM, subjects.jobs_result(job_id))
+            return True
+        except NotFoundError:
+            return False
+
+    async def _generate(self, job_id: str, msg) -> JobResult:
+        try:
+            body = msgspec.json.decode(msg.data)
+            if not isinstance(body, dict):
+                raise ValueError("a job must be a JSON object")
+            body["id"] = job_id
+        except (msgspec.DecodeError, ValueError) as exc:
+            return JobResult(job_id, "error", error=f"malformed job: {exc}")
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        start = time.monotonic()
+        tokens: list[int] = []
+        text: list[str] = []
+        try:
+            await self.nc.publish(subjects.GENERATE, msgspec.json.encode(body), reply=inbox)
+            while True:
+                event = msgspec.json.decode((await sub.next_msg(timeout=IDLE_EVENT_TIMEOUT_S)).data)
+                await msg.in_progress()  # keep JetStream from redelivering a long job
+                tokens.extend(event.get("token_ids") or [])
+                text.append(event.get("text") or "")
+                if event.get("finish_reason") is not None:
+                    return JobResult(job_id, event["finish_reason"], event.get("prompt_token_ids") or [], tokens,
+                                     "".join(text), event.get("error"),
+                                     {"latency_s": round(time.monotonic() - start, 6)})
+        finally:
+            await sub.unsubscribe()

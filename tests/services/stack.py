@@ -1,0 +1,89 @@
+"""Run `orca serve` as a user would (a subprocess) and talk to it over real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import nats
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class OrcaServe:
+    def __init__(self, args: list[str], timeout_s: float = 300.0) -> None:
+        self.log: list[str] = []
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", *args], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout_s
+        while not any("orca-serve is up" in line for line in self.log):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("orca serve did not come up:\n" + "".join(self.log[-60:]))
+            time.sleep(0.2)
+        up = next(line for line in self.log if "orca-serve is up" in line)
+        self.nats_url = re.search(r"nats://[\d.]+:\d+", up).group(0)
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.log.append(line)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.process.returncode
+
+
+async def stream(nc, body: dict | bytes, timeout_s: float = 120.0,
+                 on_event: Callable[[dict], None] | None = None) -> list[dict]:
+    """Send one generate request; return every event up to and including the final one."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    await nc.publish("orca.v1.generate", data, reply=inbox)
+    events = []
+    try:
+        while True:
+            event = json.loads((await sub.next_msg(timeout=timeout_s)).data)
+            events.append(event)
+            if on_event:
+                on_event(event)
+            if event["finish_reason"] is not None:
+                return events
+    finally:
+        await sub.unsubscribe()
+
+
+async def engine_statuses(nats_url: str, seconds: float = 1.5) -> dict[str, object]:
+    """The latest status of each engine replica, heard over `seconds`."""
+    from shared.codec import Codec
+    from shared.messages import EngineStatus
+
+    codec = Codec(EngineStatus)
+    latest: dict[str, EngineStatus] = {}
+    nc = await nats.connect(nats_url)
+
+    async def on_status(msg) -> None:
+        status = codec.decode(msg.data)
+        latest[status.replica] = status
+
+    await nc.subscribe("orca.v1.engine.status", cb=on_status)
+    await asyncio.sleep(seconds)
+    await nc.close()
+    return latest
