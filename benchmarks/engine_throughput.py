@@ -73,7 +73,7 @@ def bare_loop(args: argparse.Namespace, iterations: list, max_model_len: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--kv-cache-tokens", type=int, default=131072)
     parser.add_argument("--block-size", type=int, default=16)

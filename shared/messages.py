@@ -71,3 +71,15 @@ class WorkerReady(msgspec.Struct, frozen=True):
 
     rank: int
     incarnation: str
+
+
+class AdmissionStatus(msgspec.Struct, frozen=True):
+    """admission -> anyone (gateways shed load with it): the global queue's length and bound."""
+
+    queue_len: int
+    max_queue_len: int
+    num_engines_ready: int
+
+    @property
+    def full(self) -> bool:
+        return self.queue_len >= self.max_queue_len

@@ -7,6 +7,7 @@ queue full, impossible to serve) get their final output sent back to their token
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from nats.aio.client import Client
@@ -16,7 +17,7 @@ from core.admission import AdmissionQueue, QueueFull
 from shared import subjects
 from shared.api import decode_abort
 from shared.codec import Codec
-from shared.messages import Admit, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
+from shared.messages import Admit, AdmissionStatus, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
 
 log = logging.getLogger("orca.admission")
@@ -28,11 +29,20 @@ class AdmissionService:
     def __init__(self, nc: Client, max_queue_len: int) -> None:
         self.nc = nc
         self.queue = AdmissionQueue(max_queue_len)
+        self._last_status: AdmissionStatus | None = None
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.ADMISSION_SUBMIT, cb=self.on_submit)
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
+        self._heartbeat = asyncio.create_task(self._publish_periodically())
+
+    async def _publish_periodically(self, every_s: float = 1.0) -> None:
+        """Also without changes, so a gateway that starts later learns the state within a second."""
+        while True:
+            await asyncio.sleep(every_s)
+            self._last_status = None
+            await self.publish_status()
 
     async def on_submit(self, msg: Msg) -> None:
         request = request_codec.decode(msg.data)
@@ -59,12 +69,21 @@ class AdmissionService:
         queued = self.queue.remove(request_id)
         if queued is not None:
             await self._end(queued, FinishReason.ABORT)
+            await self.publish_status()
         else:  # admitted already (or unknown): engines end it if they hold it
             await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(request_id, FinishReason.ABORT)))
 
     async def _admit(self) -> None:
         for replica, sequence, requests in self.queue.decide():
             await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
+        await self.publish_status()
+
+    async def publish_status(self) -> None:
+        ready = sum(1 for view in self.queue.engines.values() if view.status.ready)
+        status = AdmissionStatus(len(self.queue.queue), self.queue.max_queue_len, ready)
+        if status != self._last_status:
+            self._last_status = status
+            await self.nc.publish(subjects.ADMISSION_STATUS, Codec.encode(status))
 
     async def _end(self, request: TokenizedRequest, reason: FinishReason, error: str | None = None) -> None:
         outputs = IterationOutputs([RequestOutput(request.request_id, finish_reason=reason, error=error)])

@@ -1,0 +1,47 @@
+"""Incremental detokenization: no garbled characters at chunk edges, stop strings never leak."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core.detokenize import IncrementalDetokenizer
+
+
+def byte_decode(ids) -> str:
+    """A byte-level 'tokenizer': token id = one byte."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def stream(text: str, stop=(), chunk=1) -> tuple[str, list[str], bool]:
+    detok = IncrementalDetokenizer(byte_decode, stop)
+    data = list(text.encode())
+    pieces = [detok.add(data[i:i + chunk]) for i in range(0, len(data), chunk)]
+    pieces.append(detok.flush())
+    return "".join(pieces), pieces, detok.stopped
+
+
+def test_multibyte_characters_are_never_split():
+    text = "naïve 日本語 🙂!"
+    joined, pieces, _ = stream(text)
+    assert joined == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_is_cut_and_nothing_after_it_is_emitted():
+    joined, pieces, stopped = stream("hello STOP world", stop=["STOP"])
+    assert joined == "hello " and stopped
+
+
+def test_stop_string_spanning_chunks_is_never_partly_emitted():
+    joined, pieces, _ = stream("abc\n\ndef", stop=["\n\n"])
+    assert joined == "abc"
+
+
+@given(st.text(max_size=40), st.text(min_size=1, max_size=4), st.integers(1, 5))
+def test_streamed_text_is_the_text_up_to_the_first_stop(text, stop, chunk):
+    joined, _, stopped = stream(text, stop=[stop], chunk=chunk)
+    if stop in text:
+        assert stopped and joined == text[:text.index(stop)]
+    else:
+        assert joined == text
