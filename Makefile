@@ -1,5 +1,5 @@
 # orca-serve: two commands on a fresh machine with nothing but Python 3.11+.
-#   make serve   set up, make the demo model, run the main job
+#   make serve   set up, then `orca serve` (makes the demo model on first run)
 #   make test    set up, run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -23,7 +23,8 @@ setup: $(BIN)/orca
 $(DEMO_MODEL)/config.json: | $(BIN)/orca
 	$(BIN)/orca make-demo-model $(DEMO_MODEL)
 
-serve: generate
+serve: setup
+	$(BIN)/orca serve $(SERVE_ARGS)
 
 generate: setup $(DEMO_MODEL)/config.json
 	@mkdir -p out

@@ -1,0 +1,54 @@
+"""python -m services.engine --nats-url nats://... --model DIR [--ray-address auto]
+
+Starts one engine replica (master + workers as Ray actors) on an existing or local Ray and
+keeps it up until SIGTERM, as the docker-compose stack runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from services.cli import add_engine_args, engine_config_from_args
+from services.logs import setup_logging
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m services.engine")
+    add_engine_args(parser)
+    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
+    parser.add_argument("--replica", default="0", help="this replica's name (unique per engine)")
+    parser.add_argument("--worker-threads", type=int, default=None)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+
+    import ray
+
+    from services.engine.actor import EngineMasterActor
+
+    config = engine_config_from_args(args)
+    ray.init(address=args.ray_address, include_dashboard=False, configure_logging=False)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
+    master = ray.remote(EngineMasterActor).options(name=f"orca-engine-{args.replica}", num_cpus=0,
+                                                   max_concurrency=64).remote(
+        config, args.nats_url, args.replica, worker_threads=args.worker_threads)
+    running = master.run.remote()
+    print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
+    while not stop["now"]:
+        done, _ = ray.wait([running], timeout=0.5)
+        if done:
+            ray.get(running)  # raises if the master failed
+            break
+    ray.get(master.stop.remote(), timeout=10)
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
