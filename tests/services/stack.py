@@ -87,3 +87,32 @@ async def engine_statuses(nats_url: str, seconds: float = 1.5) -> dict[str, obje
     await asyncio.sleep(seconds)
     await nc.close()
     return latest
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of every process below `pid`, read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            found.append((child, cmdline))
+            todo.append(child)
+    return found
+
+
+def worker_pids(serve: OrcaServe) -> list[int]:
+    return [pid for pid, cmd in descendants(serve.process.pid) if cmd.startswith("ray::Worker")]

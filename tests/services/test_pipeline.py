@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import signal
 
 import nats
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from engine.batch_job import run_batch
 from engine.llm_engine import LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tests.services.stack import OrcaServe, engine_statuses, stream
+from tests.services.stack import OrcaServe, engine_statuses, stream, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -182,3 +184,34 @@ def test_jetstream_jobs_run_exactly_once_and_results_persist(stack, demo_model):
         assert results[body["id"]]["token_ids"] == expected[body["id"]]["token_ids"]
         assert results[body["id"]]["text"] == expected[body["id"]]["text"]
         assert results[body["id"]]["finish_reason"] == "length"
+
+
+def test_a_killed_worker_ends_its_requests_with_an_error_and_ray_restarts_it(stack):
+    """Last in this module: it kills a worker process."""
+    workers = worker_pids(stack)
+    assert len(workers) == 2
+
+    async def go():
+        nc = await nats.connect(stack.nats_url)
+        started = asyncio.Event()
+        bodies = [{"id": f"victim-{i}", "prompt": "x = 1", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+                  for i in range(6)]
+        tasks = [asyncio.create_task(stream(nc, b, on_event=lambda e: started.set())) for b in bodies]
+        await asyncio.wait_for(started.wait(), 60)
+        os.kill(workers[0], signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        await nc.close()
+        return results
+    results = asyncio.run(go())
+    reasons = [r[-1]["finish_reason"] for r in results]
+    assert set(reasons) <= {"error", "length"} and "error" in reasons  # every request ended, none silently
+    errors = [r[-1]["error"] for r in results if r[-1]["finish_reason"] == "error"]
+    assert all("failed" in e for e in errors)
+    for _ in range(120):  # Ray restarts the worker; the engine reports ready again
+        statuses = asyncio.run(engine_statuses(stack.nats_url, seconds=1.0))
+        if len(statuses) == 2 and all(s.ready for s in statuses.values()):
+            break
+    bodies = [{"id": f"after-{i}", "prompt": "def main():", "max_tokens": 8, "temperature": 0} for i in range(6)]
+    after = asyncio.run(produce_concurrently(stack.nats_url, bodies))
+    assert all(events[-1]["finish_reason"] == "length" for events in after.values())
+    assert len(worker_pids(stack)) == 2 and workers[0] not in worker_pids(stack)
