@@ -83,3 +83,5 @@ class StepResult(msgspec.Struct, frozen=True, array_like=True):
     iteration: int
     output: RunnerOutput | None = None
     error: str | None = None
+    execute_s: float = 0.0
+    """Time the worker spent in the runner (the rest of the iteration is control overhead)."""

@@ -87,6 +87,11 @@ class Scheduler:
         return RequestOutput(request_id, finish_reason=reason, error=error)
 
     @property
+    def iteration(self) -> int:
+        """Iterations scheduled so far."""
+        return self._iteration
+
+    @property
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

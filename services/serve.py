@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -125,7 +126,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             subprocess.Popen(service_command("jobs", nats_url), start_new_session=True),
         ]
         stack.callback(_stop_processes, processes)
-        masters = start_engines(config, nats_url, args.replicas, args.worker_threads)
+        # Ray pins an actor's OMP threads to its CPU count (1); give each worker its share of the machine.
+        threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.replicas)
+        masters = start_engines(config, nats_url, args.replicas, threads)
         stack.callback(_stop_masters, masters)
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout))
         print(f"orca-serve is up: NATS {nats_url}, {args.replicas} engine replica(s) of {config.model.model}\n"

@@ -51,6 +51,12 @@ class EngineStatus(msgspec.Struct, frozen=True):
     last_admit_sequence: int
     iteration: int
     kv_used_blocks: int
+    steps: int = 0
+    """Iterations run since start; with the two sums below they give the per-iteration cost."""
+    step_seconds: float = 0.0
+    """Sum of iteration wall times (schedule, step message, worker, result, update, publish)."""
+    execute_seconds: float = 0.0
+    """Sum of the workers' time in the model runner; the difference is control overhead."""
 
 
 class Cancel(msgspec.Struct, frozen=True):

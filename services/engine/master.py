@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from core.batch import RunnerOutput, SchedulerOutput, StepResult
+from core.batch import SchedulerOutput, StepResult
 from core.kv_cache import KVCacheManager
 from core.policies import make_policy
 from core.request import Request
@@ -50,6 +51,7 @@ class EngineMaster:
         self.recent_cancels: OrderedDict[str, FinishReason] = OrderedDict()
         self.last_admit_sequence = 0
         self.ready = False
+        self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
         self.iteration_log: list[tuple[int, list[str]]] = []
         self._wake = asyncio.Event()
         self._results: dict[int, asyncio.Future[StepResult]] = {}
@@ -84,17 +86,21 @@ class EngineMaster:
         await self.publish_status()
 
     async def step(self) -> None:
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             await asyncio.sleep(0)
             return
         result = await self.execute(scheduler_output)
-        events = self.scheduler.update(scheduler_output, result)
+        events = self.scheduler.update(scheduler_output, result.output)
         self.iteration_log.append((scheduler_output.iteration, [s.request_id for s in scheduler_output.scheduled]))
         await self.publish_outputs(events)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - start
+        self.execute_seconds += result.execute_s
         await self.publish_status()
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    async def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
         future = asyncio.get_running_loop().create_future()
         self._results[scheduler_output.iteration] = future
         try:
@@ -104,7 +110,7 @@ class EngineMaster:
             self._results.pop(scheduler_output.iteration, None)
         if result.error is not None or result.output is None:
             raise StepFailed(result.error or "worker returned no output")
-        return result.output
+        return result
 
     async def _idle(self, stop: asyncio.Event) -> None:
         self._wake.clear()
@@ -198,8 +204,9 @@ class EngineMaster:
             num_blocks=kv.num_blocks, admissible_blocks=max(0, kv.num_free_blocks - waiting_blocks),
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.max_model_len,
-            last_admit_sequence=self.last_admit_sequence, iteration=self.scheduler._iteration,
-            kv_used_blocks=kv.num_used_blocks,
+            last_admit_sequence=self.last_admit_sequence, iteration=self.scheduler.iteration,
+            kv_used_blocks=kv.num_used_blocks, steps=self.steps, step_seconds=self.step_seconds,
+            execute_seconds=self.execute_seconds,
         )
 
     async def publish_status(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 
 from core.batch import SchedulerOutput, StepResult
@@ -72,12 +73,13 @@ class Worker:
 
     async def _execute(self, data: bytes) -> StepResult:
         scheduler_output = step_codec.decode(data)
+        start = time.perf_counter()
         try:
             output = await asyncio.to_thread(self.runner.execute, scheduler_output)
         except Exception as exc:  # noqa: BLE001 - any failure ends the iteration with an error, not a hang
             log.error("step %d failed:\n%s", scheduler_output.iteration, traceback.format_exc())
             return StepResult(scheduler_output.iteration, error=f"{type(exc).__name__}: {exc}")
-        return StepResult(scheduler_output.iteration, output)
+        return StepResult(scheduler_output.iteration, output, execute_s=time.perf_counter() - start)
 
     async def reset(self) -> None:
         """Drop all request state (the master failed every request after a bad step)."""
