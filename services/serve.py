@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -100,6 +101,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from services.nats_server import LocalNatsServer
 
+    check_port_free(args.host, args.port)  # before starting anything
     stop = {"now": False}
 
     def on_signal(signum, frame) -> None:
@@ -111,6 +113,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             server = LocalNatsServer().start()
             stack.callback(server.cleanup)
             nats_url = server.url
+        # Ray runs actors at niceness 15 by default: the model workers would then yield the CPU to every
+        # other process on the machine. They are the hot path; run them at normal priority.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
                  configure_logging=False)
         stack.callback(ray.shutdown)
@@ -131,7 +136,11 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         masters = start_engines(config, nats_url, args.replicas, threads)
         stack.callback(_stop_masters, masters)
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout))
-        print(f"orca-serve is up: NATS {nats_url}, {args.replicas} engine replica(s) of {config.model.model}\n"
+        http_url = start_gateway(args, nats_url, config.model.model)
+        stack.callback(_stop_gateway)
+        print(f"orca-serve is up: HTTP {http_url}, NATS {nats_url}, {args.replicas} engine replica(s) of "
+              f"{config.model.model}\n"
+              f"  openai:   {http_url}/v1 (completions, chat/completions, models); health: {http_url}/health\n"
               f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"
               f"  abort:    publish {{\"id\": ...}} to '{subjects.ABORT}'\n"
               f"  jobs:     JetStream publish to '{subjects.JOBS_SUBMIT}' (Nats-Msg-Id header), "
@@ -145,6 +154,34 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             time.sleep(0.2)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     return 0
+
+
+def start_gateway(args: argparse.Namespace, nats_url: str, model: str) -> str:
+    """The OpenAI-compatible HTTP gateway as a Ray Serve deployment; returns its URL."""
+    from services.gateway.app import start_on_ray_serve
+    from services.gateway.state import GatewaySettings
+
+    settings = GatewaySettings(nats_url=nats_url, model=model, served_model_name=args.served_model_name,
+                               api_key=args.api_key)
+    start_on_ray_serve(settings, args.host, args.port)
+    return f"http://{args.host}:{args.port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+
+
+def _stop_gateway() -> None:
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; ray.shutdown follows
+        pass
 
 
 def _stop_processes(processes: list[subprocess.Popen]) -> None:
@@ -176,6 +213,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue-len", type=int, default=1024, help="admission queue bound")
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--log-level", default="INFO")
+    g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--api-key", default=env.api_key(),
+                   help="require 'Authorization: Bearer <key>' on the HTTP API (default: $ORCA_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="model name of the HTTP API (default: --model)")
 
 
 def resolve_model(args: argparse.Namespace) -> None:

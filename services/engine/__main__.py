@@ -7,6 +7,7 @@ keeps it up until SIGTERM, as the docker-compose stack runs it.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -31,6 +32,7 @@ def main() -> int:
     from services.engine.actor import EngineMasterActor
 
     config = engine_config_from_args(args)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # see services/serve.py
     ray.init(address=args.ray_address, include_dashboard=False, configure_logging=False)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
