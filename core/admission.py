@@ -44,6 +44,10 @@ class AdmissionQueue:
         if len(self.queue) >= self.max_queue_len:
             raise QueueFull(f"the admission queue is full ({self.max_queue_len} requests); retry later")
         self.queue[request.request_id] = request
+        if request.priority != 0 and any(r.priority > request.priority for r in self.queue.values()):
+            # keep the queue ordered by (priority, arrival); the sort is stable, so FCFS within a priority
+            ordered = sorted(self.queue.values(), key=lambda r: r.priority)
+            self.queue = OrderedDict((r.request_id, r) for r in ordered)
 
     def remove(self, request_id: str) -> TokenizedRequest | None:
         return self.queue.pop(request_id, None)

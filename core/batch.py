@@ -54,6 +54,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
     """Batch order: decodes first, then prefills, each in admission order."""
     finished_request_ids: list[str]
     """Requests that ended since the previous iteration; the runner drops their state."""
+    preempted_request_ids: list[str] = []
+    """Requests preempted in this schedule (their KV is gone); the runner drops their state and
+    sees them again in `new_requests` when they resume."""
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,8 @@ from core.request import Request
 
 class AdmissionPolicy(Protocol):
     name: str
+    grows_on_demand: bool
+    """True: blocks are allocated as tokens come, and running requests may be preempted."""
 
     def admission_open(self, num_running_at_start: int) -> bool:
         """May requests be admitted in this iteration?"""
@@ -27,6 +29,7 @@ class OrcaPolicy:
     """Orca (OSDI '22): iteration-level; admits whenever prompt_len + max_tokens slots fit."""
 
     name = "orca"
+    grows_on_demand = False
 
     def admission_open(self, num_running_at_start: int) -> bool:
         return True
@@ -45,9 +48,25 @@ class RequestLevelPolicy(OrcaPolicy):
         return num_running_at_start == 0
 
 
-POLICIES: dict[str, type[OrcaPolicy]] = {
+class PagedPolicy:
+    """vLLM's answer to Orca's reservation: admit when the prompt's blocks fit, grow block by
+    block as tokens come, and when blocks run out preempt by recompute (the victim's blocks
+    are freed, it goes back to the waiting queue with its generated tokens kept)."""
+
+    name = "paged"
+    grows_on_demand = True
+
+    def admission_open(self, num_running_at_start: int) -> bool:
+        return True
+
+    def reservation(self, request: Request, max_model_len: int) -> int:
+        return request.num_tokens
+
+
+POLICIES: dict[str, type] = {
     OrcaPolicy.name: OrcaPolicy,
     RequestLevelPolicy.name: RequestLevelPolicy,
+    PagedPolicy.name: PagedPolicy,
 }
 
 

@@ -21,8 +21,12 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0
+    """Lower runs first (vLLM's convention); equal priorities are served FCFS."""
     arrival_order: int = 0
     """Set by the scheduler: FCFS position, the tie-breaker everywhere."""
+    admitted_order: int = 0
+    """Set at each admission; the latest admitted is preempted first."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (the prompt, then each fed-back output token)."""
@@ -45,3 +49,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def queue_key(request: Request) -> tuple[int, int]:
+    """Order of the waiting queue: priority, then arrival."""
+    return (request.priority, request.arrival_order)
+
+
+def victim_key(request: Request) -> tuple[int, int]:
+    """Preemption order: lowest priority first, then the latest admitted."""
+    return (request.priority, request.admitted_order)

@@ -1,20 +1,26 @@
 """The iteration scheduler: picks every iteration's batch. Pure: no torch, no I/O, no clock.
 
-Two verbs: `schedule()` decides the next iteration; `update(output, result)` applies
-what the model produced and returns events. Requests are admitted FCFS by the admission
-policy (stopping at the first that does not fit: no skipping, no starvation), then
-scheduled by token budget: running decodes first, then prefills, in admission order, so
-a prefill and other requests' decodes share one iteration (selective batching).
+Two verbs: `schedule()` decides the next iteration; `update(output, result)` applies what
+the model produced and returns events. Each iteration is filled by token budget in
+Sarathi-Serve's stall-free order: running decodes first, then running prefills (chunks
+when chunked prefill is on), then newly admitted requests. So a prefill and other
+requests' decodes share one iteration (selective batching).
+
+Admission follows the waiting queue's order (priority, then arrival) and stops at the first
+request that does not fit: no skipping, no starvation within a priority. How much KV a
+request needs is the policy's call (Orca reserves prompt + max_tokens up front; paged grows
+on demand and preempts the lowest-priority, latest-admitted running request when blocks run
+out). No new request is admitted in an iteration that had to preempt.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from core.kv_cache import KVCacheManager
 from core.policies import AdmissionPolicy
-from core.request import Request, RequestStatus
+from core.request import Request, RequestStatus, queue_key, victim_key
 from shared.outputs import FinishReason, RequestOutput
 
 
@@ -40,11 +46,13 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # sorted by queue_key
+        self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
         self._iteration = 0
         self._arrivals = 0
+        self._admissions = 0
         self._finished_since_schedule: list[str] = []
         self._seen_by_runner: set[str] = set()
 
@@ -61,17 +69,15 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        reserve = self.policy.reservation(request, self.max_model_len)
+        most = min(request.max_total_tokens, self.max_model_len)
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
-        if self.kv_cache.blocks_needed(reserve) > self.kv_cache.num_blocks:
-            raise ValueError(
-                f"request needs {reserve} KV slots (prompt + max_tokens) but the cache holds {capacity}"
-            )
+        if self.kv_cache.blocks_needed(most) > self.kv_cache.num_blocks:
+            raise ValueError(f"request needs {most} KV slots (prompt + max_tokens) but the cache holds {capacity}")
         request.arrival_order = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=queue_key)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self.finish(request_id, FinishReason.ABORT)
@@ -81,8 +87,6 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        if request.status is RequestStatus.WAITING:
-            self.waiting.remove(request)
         self._end(request, reason)
         return RequestOutput(request_id, finish_reason=reason, error=error)
 
@@ -99,26 +103,33 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         num_running_at_start = len(self.running)
-        if self.policy.admission_open(num_running_at_start):
-            self._admit()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
-        for request in self._decodes_then_prefills():
+        preempted: list[str] = []
+        pending = self._decodes_then_prefills()
+        while pending:
+            request = pending.pop(0)
             num_new = self._tokens_this_iteration(request, budget)
             if num_new == 0:
                 continue
-            new_blocks = self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_new)
-            assert new_blocks is not None, "tokens were scheduled beyond the request's reservation"
-            scheduled.append(ScheduledRequest(
-                request.request_id, request.num_computed_tokens, num_new, new_blocks,
-                samples=request.num_computed_tokens + num_new == request.num_tokens,
-            ))
-            budget -= num_new
+            new_blocks = self._grow(request, num_new, pending, preempted)
+            if new_blocks is not None:
+                scheduled.append(self._scheduled(request, num_new, new_blocks))
+                budget -= num_new
+        if not preempted and self.policy.admission_open(num_running_at_start):
+            for request in self._admit():
+                num_new = self._tokens_this_iteration(request, budget)
+                if num_new:
+                    new_blocks = self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_new)
+                    assert new_blocks is not None, "admission reserved less than the first iteration needs"
+                    scheduled.append(self._scheduled(request, num_new, new_blocks))
+                    budget -= num_new
         output = SchedulerOutput(
             iteration=self._iteration,
             new_requests=self._new_request_data(scheduled),
             scheduled=scheduled,
             finished_request_ids=self._finished_since_schedule,
+            preempted_request_ids=preempted,
         )
         self._finished_since_schedule = []
         self._iteration += 1
@@ -129,9 +140,10 @@ class Scheduler:
         events: list[RequestOutput] = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
-            if request is None:  # aborted while the iteration ran
-                continue
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # ended (or preempted) while the iteration ran
             request.num_computed_tokens += item.num_new_tokens
+            self._register_blocks(request, item.num_new_tokens)
             token = result.sampled_token_ids.get(item.request_id)
             if token is None:
                 continue
@@ -145,24 +157,65 @@ class Scheduler:
             ))
         return events
 
-    # ---- helpers ----------------------------------------------------------------------
+    # ---- admission, growth, preemption ---------------------------------------------------
 
-    def _admit(self) -> None:
-        """FCFS: admit from the head of the queue while the policy's reservation fits."""
+    def _admit(self) -> list[Request]:
+        """From the head of the waiting queue while the policy's reservation fits."""
+        admitted: list[Request] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            reserve = self.policy.reservation(request, self.max_model_len)
-            if self.kv_cache.allocate(request.request_id, reserve) is None:
+            if not self._reserve(request):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
+            request.admitted_order = self._admissions
+            self._admissions += 1
             self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _reserve(self, request: Request) -> bool:
+        kv = self.kv_cache
+        request.num_computed_tokens = kv.share_cached_prefix(request.request_id, self._all_tokens(request))
+        if kv.allocate(request.request_id, self.policy.reservation(request, self.max_model_len)) is None:
+            kv.free(request.request_id)  # give back the shared prefix too
+            request.num_computed_tokens = 0
+            return False
+        return True
+
+    def _grow(self, request: Request, num_new: int, pending: list[Request],
+              preempted: list[str]) -> list[int] | None:
+        """Blocks for the request's next tokens; under a growing policy, preempt until they fit.
+        Returns None when the request itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_new)
+            if new_blocks is not None:
+                return new_blocks
+            assert self.policy.grows_on_demand, "tokens were scheduled beyond the request's reservation"
+            victim = max(pending + [request], key=victim_key)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+            pending.remove(victim)
+
+    def _preempt(self, request: Request) -> None:
+        """By recompute: its KV is freed; it waits again with the tokens it generated."""
+        self.kv_cache.free(request.request_id)
+        self.running.remove(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=queue_key)
+        self._seen_by_runner.discard(request.request_id)
+        self.num_preemptions += 1
+
+    # ---- helpers ----------------------------------------------------------------------
 
     def _decodes_then_prefills(self) -> list[Request]:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
-            is_decode = request.num_computed_tokens >= request.num_prompt_tokens
+            is_decode = request.num_computed_tokens >= request.num_tokens - 1 and request.output_token_ids
             (decodes if is_decode else prefills).append(request)
         return decodes + prefills
 
@@ -172,6 +225,10 @@ class Scheduler:
             return remaining
         return budget if self.enable_chunked_prefill else 0
 
+    def _scheduled(self, request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
+        return ScheduledRequest(request.request_id, request.num_computed_tokens, num_new, new_blocks,
+                                samples=request.num_computed_tokens + num_new == request.num_tokens)
+
     def _new_request_data(self, scheduled: list[ScheduledRequest]) -> list[NewRequestData]:
         new: list[NewRequestData] = []
         for item in scheduled:
@@ -179,14 +236,19 @@ class Scheduler:
                 continue
             self._seen_by_runner.add(item.request_id)
             request = self.requests[item.request_id]
-            new.append(NewRequestData(
-                request.request_id,
-                request.prompt_token_ids + request.output_token_ids,
-                request.num_prompt_tokens,
-                request.params,
-                self.kv_cache.block_ids(request.request_id).copy(),
-            ))
+            new.append(NewRequestData(request.request_id, self._all_tokens(request), request.num_prompt_tokens,
+                                      request.params, self.kv_cache.block_ids(request.request_id).copy()))
         return new
+
+    def _register_blocks(self, request: Request, num_new: int) -> None:
+        kv = self.kv_cache
+        if kv.enable_prefix_caching and (request.num_computed_tokens // kv.block_size
+                                         > (request.num_computed_tokens - num_new) // kv.block_size):
+            kv.register_full_blocks(request.request_id, self._all_tokens(request), request.num_computed_tokens)
+
+    @staticmethod
+    def _all_tokens(request: Request) -> list[int]:
+        return request.prompt_token_ids + request.output_token_ids
 
     def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
@@ -201,6 +263,8 @@ class Scheduler:
     def _end(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -212,5 +276,6 @@ class Scheduler:
     def _check_invariants(self, output: SchedulerOutput) -> None:
         assert output.num_tokens <= self.max_num_batched_tokens
         assert len(self.running) <= self.max_num_seqs
-        held = sum(len(self.kv_cache.block_ids(r.request_id)) for r in self.running)
-        assert held == self.kv_cache.num_used_blocks, "KV blocks held by requests that are not running"
+        held = {b for r in self.running for b in self.kv_cache.block_ids(r.request_id)}
+        assert len(held) == self.kv_cache.num_used_blocks, "KV blocks held by requests that are not running"
+        assert not any(self.kv_cache.block_ids(r.request_id) for r in self.waiting), "a waiting request holds KV"

@@ -57,7 +57,7 @@ def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any]
             request = decode_generate_request(line)
             params = request.sampling_params()
             ids = engine.prompt_ids(request)
-            engine.add_request(request.id, ids, params)
+            engine.add_request(request.id, ids, params, priority=request.priority)
             slots.append(request.id)
         except ValueError as exc:
             slots.append(error_record(_line_id(line), lineno, str(exc)))

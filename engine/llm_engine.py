@@ -85,7 +85,7 @@ class LLMEngine:
         self.vocab_size = self.runner.arch.vocab_size
         self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
         sched = config.scheduler
-        self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size)
+        self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(
             make_policy(sched.policy), self.kv_cache, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens or max(self.max_model_len, 8192),
@@ -108,7 +108,8 @@ class LLMEngine:
             return self.tokenizer.apply_chat_template([msgspec.structs.asdict(m) for m in request.messages])
         return self.tokenizer.encode(request.prompt or "")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Completion:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> Completion:
         """Validate and queue; raises ValueError with the reason if the request cannot be served."""
         params = params.validate()
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
@@ -116,7 +117,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority=priority)
         self.scheduler.add_request(request)
         completion = Completion(request_id, list(prompt_token_ids), arrival_time=time.perf_counter(),
                                 logprobs=[] if params.logprobs is not None else None)

@@ -74,7 +74,7 @@ class ModelRunner:
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
-        for request_id in scheduler_output.finished_request_ids:
+        for request_id in scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids:
             self.requests.pop(request_id, None)
         new_ids = set()
         for new in scheduler_output.new_requests:

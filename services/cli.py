@@ -23,6 +23,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV cache capacity in token slots")
     g.add_argument("--block-size", type=int, default=16, help="KV slots per block (1 = Orca's per-slot accounting)")
+    g.add_argument("--enable-prefix-caching", action="store_true", help="share KV of identical prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                    help="auto: Triton kernels on CUDA, torch on CPU")
@@ -36,7 +37,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(policy=args.scheduler, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill),
-        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size),
+        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
+                          enable_prefix_caching=args.enable_prefix_caching),
     )
 
 

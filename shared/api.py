@@ -32,6 +32,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    priority: int = 0
+    """Lower is served first (vLLM's convention); equal priorities are FCFS."""
 
     def __post_init__(self) -> None:
         if not self.id:

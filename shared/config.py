@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-SCHEDULER_POLICIES = ("orca", "request-level")
+SCHEDULER_POLICIES = ("orca", "request-level", "paged")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
@@ -17,7 +17,8 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: str = "orca"
     """`orca`: iteration-level, FCFS, reserves prompt_len + max_tokens slots at admission.
-    `request-level`: the paper's baseline; a batch forms only when the engine is idle."""
+    `request-level`: the paper's baseline; a batch forms only when the engine is idle.
+    `paged`: blocks on demand, preemption by recompute when they run out (vLLM)."""
     max_num_seqs: int = 128
     """Most requests running (admitted) at once."""
     max_num_batched_tokens: int | None = None
@@ -39,6 +40,8 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """KV capacity in token slots, preallocated once at start-up (rounded down to whole blocks)."""
     block_size: int = 16
     """Slots per KV block: the unit of accounting. 1 gives Orca's exact per-slot reservation."""
+    enable_prefix_caching: bool = False
+    """Share the KV of identical full-block prefixes across requests (refcounted, LRU eviction)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

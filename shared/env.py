@@ -16,3 +16,8 @@ def cache_dir() -> Path:
 
 def nats_url_default() -> str | None:
     return os.environ.get("ORCA_NATS_URL") or None
+
+
+def api_key() -> str | None:
+    """ORCA_API_KEY: the bearer token the HTTP gateway requires (unset or empty: no auth)."""
+    return os.environ.get("ORCA_API_KEY") or None

@@ -22,6 +22,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True):
     """Where the engine sends this request's outputs to be detokenized."""
     arrival_time: float
     """Unix time the system accepted the request."""
+    priority: int = 0
 
 
 class Admit(msgspec.Struct, frozen=True):

@@ -58,7 +58,7 @@ class EngineMaster:
 
     def _new_scheduler(self) -> Scheduler:
         s, c = self.config.scheduler, self.config.cache
-        return Scheduler(make_policy(s.policy), KVCacheManager(c.num_blocks, c.block_size),
+        return Scheduler(make_policy(s.policy), KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching),
                          max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens or max(self.max_model_len, 8192),
                          max_model_len=self.max_model_len, enable_chunked_prefill=s.enable_chunked_prefill)
@@ -159,7 +159,8 @@ class EngineMaster:
         if not self.ready:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=f"engine {self.replica} is not ready")
         try:
-            self.scheduler.add_request(Request(rid, tokenized.prompt_token_ids, tokenized.params, self.eos_token_ids))
+            self.scheduler.add_request(Request(rid, tokenized.prompt_token_ids, tokenized.params, self.eos_token_ids,
+                                              priority=tokenized.priority))
         except ValueError as exc:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=str(exc))
         return None

@@ -65,7 +65,7 @@ class TokenizerService:
             return
         self.active[request.id] = ActiveRequest(
             msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids)
-        tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, time.time())
+        tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, time.time(), request.priority)
         await self.nc.publish(subjects.ADMISSION_SUBMIT, Codec.encode(tokenized))
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:

@@ -14,15 +14,18 @@ EOS = 2
 
 def make_scheduler(policy: str = "orca", *, num_blocks: int = 64, block_size: int = 1, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 256, max_model_len: int = 64,
-                   enable_chunked_prefill: bool = False) -> Scheduler:
-    return Scheduler(make_policy(policy), KVCacheManager(num_blocks, block_size), max_num_seqs=max_num_seqs,
+                   enable_chunked_prefill: bool = False, enable_prefix_caching: bool = False) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+    return Scheduler(make_policy(policy), kv, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                      enable_chunked_prefill=enable_chunked_prefill)
 
 
-def make_request(request_id: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True) -> Request:
+def make_request(request_id: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True, priority: int = 0,
+                 prompt: list[int] | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
-    return Request(request_id, list(range(10, 10 + prompt_len)), params, eos_token_ids=(EOS,))
+    tokens = prompt if prompt is not None else list(range(10, 10 + prompt_len))
+    return Request(request_id, tokens, params, eos_token_ids=(EOS,), priority=priority)
 
 
 def fake_step(output: SchedulerOutput, tokens: dict[str, int] | None = None) -> RunnerOutput:

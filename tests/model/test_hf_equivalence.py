@@ -28,12 +28,17 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_expected(checkpoint):
-    return hf_greedy(checkpoint[1], workload(), torch.float64)
+    return {shared: hf_greedy(checkpoint[1], workload(shared_prefix=shared), torch.float64)
+            for shared in (False, True)}
 
 
-def workload(seed: int = 0, n: int = 6) -> list[tuple[list[int], int]]:
+def workload(seed: int = 0, n: int = 6, shared_prefix: bool = False) -> list[tuple[list[int], int]]:
+    """Prompts of different lengths; with `shared_prefix`, all start with the same 20 tokens
+    (a system prompt), so prefix reuse has something to share."""
     rng = random.Random(seed)
-    return [([rng.randrange(512) for _ in range(rng.randint(1, 40))], rng.randint(1, 12)) for _ in range(n)]
+    system = [rng.randrange(512) for _ in range(20)] if shared_prefix else []
+    return [(system + [rng.randrange(512) for _ in range(rng.randint(1, 40))], rng.randint(1, 12))
+            for _ in range(n)]
 
 
 def hf_greedy(model_dir, prompts, dtype) -> list[list[int]]:
@@ -50,39 +55,51 @@ def hf_greedy(model_dir, prompts, dtype) -> list[list[int]]:
 
 
 def orca_run(model_dir, prompts, *, dtype="float64", policy="orca", max_num_seqs=16, block_size=16,
-             chunked=False, logprobs=None) -> dict:
+             chunked=False, logprobs=None, kv_cache_tokens=4096, prefix=False) -> dict:
     config = EngineConfig(
         model=ModelConfig(model=str(model_dir), dtype=dtype),
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=24 if chunked else None, enable_chunked_prefill=chunked),
-        cache=CacheConfig(kv_cache_tokens=4096, block_size=block_size),
+        cache=CacheConfig(kv_cache_tokens=kv_cache_tokens, block_size=block_size, enable_prefix_caching=prefix),
     )
     engine = LLMEngine(config)
+    done = {}
     for i, (prompt, max_tokens) in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                                           logprobs=logprobs))
-    done = {}
+        if prefix and i == 0:  # the first computes the shared prefix; the others arrive after it
+            for delta in engine.step() + engine.step():
+                if delta.finished:
+                    done[int(delta.completion.request_id)] = delta.completion
     while engine.has_unfinished:
         for delta in engine.step():
             if delta.finished:
                 done[int(delta.completion.request_id)] = delta.completion
     assert engine.kv_cache.num_used_blocks == 0
+    done["preemptions"] = engine.scheduler.num_preemptions
+    done["prefix_hits"] = engine.kv_cache.prefix_hits
     return done
 
 
-@pytest.mark.parametrize("policy,max_num_seqs,block_size,chunked", [
-    ("orca", 16, 16, False), ("orca", 1, 16, False), ("request-level", 16, 1, False),
-    ("request-level", 3, 4, False), ("orca", 16, 4, True),
+@pytest.mark.parametrize("policy,max_num_seqs,block_size,chunked,kv_tokens,prefix", [
+    ("orca", 16, 16, False, 4096, False), ("orca", 1, 16, False, 4096, False),
+    ("request-level", 16, 1, False, 4096, False), ("request-level", 3, 4, False, 4096, False),
+    ("orca", 16, 4, True, 4096, False),
+    ("paged", 16, 4, False, 64, False),  # a KV cache this small forces preemptions
+    ("paged", 16, 4, True, 4096, True), ("orca", 16, 4, False, 4096, True), ("paged", 16, 4, True, 80, True),
 ])
 def test_greedy_tokens_equal_transformers_float64(checkpoint, hf_expected, policy, max_num_seqs, block_size,
-                                                  chunked):
+                                                  chunked, kv_tokens, prefix):
     arch, model_dir = checkpoint
-    prompts = workload()
-    expected = hf_expected
+    prompts = workload(shared_prefix=prefix)
     done = orca_run(model_dir, prompts, policy=policy, max_num_seqs=max_num_seqs, block_size=block_size,
-                    chunked=chunked)
+                    chunked=chunked, kv_cache_tokens=kv_tokens, prefix=prefix)
     got = [done[i].token_ids for i in range(len(prompts))]
-    assert got == expected
+    assert got == hf_expected[prefix]
+    if kv_tokens < 100:
+        assert done["preemptions"] > 0, "the test meant to force preemption"
+    if prefix:
+        assert done["prefix_hits"] > 0, "the shared prefix was not reused"
 
 
 def test_logprobs_agree_with_transformers_float32(checkpoint):
