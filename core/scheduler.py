@@ -199,6 +199,14 @@ class Scheduler:
                 return None
             pending.remove(victim)
 
+    def preempt_all(self) -> list[str]:
+        """The workers lost every request's KV (one died): all running requests go back to the
+        waiting queue with their generated tokens, to resume by recompute."""
+        victims = list(self.running)
+        for request in victims:
+            self._preempt(request)
+        return [r.request_id for r in victims]
+
     def _preempt(self, request: Request) -> None:
         """By recompute: its KV is freed; it waits again with the tokens it generated."""
         self.kv_cache.free(request.request_id)

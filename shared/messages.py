@@ -52,6 +52,8 @@ class EngineStatus(msgspec.Struct, frozen=True):
     last_admit_sequence: int
     iteration: int
     kv_used_blocks: int
+    num_preemptions: int = 0
+    """Requests sent back to wait (KV ran out, or a worker died and they resume by recompute)."""
     steps: int = 0
     """Iterations run since start; with the two sums below they give the per-iteration cost."""
     step_seconds: float = 0.0

@@ -32,6 +32,7 @@ from shared.outputs import FinishReason, RequestOutput
 log = logging.getLogger("orca.engine")
 admit_codec, cancel_codec, result_codec = Codec(Admit), Codec(Cancel), Codec(StepResult)
 RECENT_CANCELS = 10_000
+MAX_RESUMES = 2
 
 
 class StepFailed(Exception):
@@ -49,6 +50,7 @@ class EngineMaster:
         self.scheduler = self._new_scheduler()
         self.owners: dict[str, str] = {}  # request id -> tokenizer instance that owns it
         self.recent_cancels: OrderedDict[str, FinishReason] = OrderedDict()
+        self.resumes: dict[str, int] = {}  # request id -> times it resumed after a worker died
         self.last_admit_sequence = 0
         self.ready = False
         self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
@@ -120,16 +122,25 @@ class EngineMaster:
             await self.publish_status()  # heartbeat
 
     async def _recover(self, exc: Exception) -> None:
-        """The step failed: every request on this engine ends with a clear error, then the
-        workers are brought back (Ray restarts a dead one) and the engine serves again."""
+        """A step failed. If a worker died (or hung), its KV is gone but the requests are not:
+        they resume by recompute once Ray has restarted it, with the tokens they already have
+        (a request that already resumed MAX_RESUMES times ends with an error instead). If the
+        forward pass raised, every request on this engine ends with a clear error. Either way
+        the workers are brought back and the engine serves again."""
         log.error("engine %s: step failed: %s", self.replica, exc)
         self.ready = False
         await self.publish_status()
         message = f"engine {self.replica} failed: {exc}"
-        events = [e for rid in list(self.scheduler.requests)
-                  if (e := self.scheduler.finish(rid, FinishReason.ERROR, message)) is not None]
+        if isinstance(exc, WorkerDied):
+            for rid in self.scheduler.preempt_all():
+                self.resumes[rid] = self.resumes.get(rid, 0) + 1
+            doomed = [rid for rid, count in self.resumes.items() if count > MAX_RESUMES]
+        else:
+            doomed = list(self.scheduler.requests)
+        events = [e for rid in doomed if (e := self.scheduler.finish(rid, FinishReason.ERROR, message)) is not None]
+        for rid in doomed:
+            self.resumes.pop(rid, None)
         await self.publish_outputs(events)
-        self.scheduler = self._new_scheduler()
         await self.workers.restart(hard=isinstance(exc, WorkerDied))
         self.incarnation = uuid.uuid4().hex[:12]
         self.last_admit_sequence = 0
@@ -193,6 +204,7 @@ class EngineMaster:
             by_owner.setdefault(owner, []).append(event)
             if event.finish_reason is not None:
                 del self.owners[event.request_id]
+                self.resumes.pop(event.request_id, None)
         for owner, outputs in by_owner.items():
             await self.nc.publish(subjects.detok(owner), Codec.encode(IterationOutputs(outputs)))
 
@@ -206,7 +218,7 @@ class EngineMaster:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             last_admit_sequence=self.last_admit_sequence, iteration=self.scheduler.iteration,
-            kv_used_blocks=kv.num_used_blocks, steps=self.steps, step_seconds=self.step_seconds,
+            kv_used_blocks=kv.num_used_blocks, num_preemptions=self.scheduler.num_preemptions, steps=self.steps, step_seconds=self.step_seconds,
             execute_seconds=self.execute_seconds,
         )
 
