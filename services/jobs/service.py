@@ -71,7 +71,7 @@ class JobsService:
             self.concurrency.release()
             try:
                 messages = await self.sub.fetch(batch=16, timeout=1.0)
-            except NatsTimeout:
+            except (NatsTimeout, asyncio.TimeoutError):
                 continue
             except Exception as exc:  # noqa: BLE001 - reconnecting; try again shortly
                 log.warning("fetch failed: %s", exc)
