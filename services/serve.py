@@ -101,7 +101,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     from services.nats_server import LocalNatsServer
 
-    check_port_free(args.host, args.port)  # before starting anything
+    args.port = check_port_free(args.host, args.port)  # before starting anything
     stop = {"now": False}
 
     def on_signal(signum, frame) -> None:
@@ -167,12 +167,14 @@ def start_gateway(args: argparse.Namespace, nats_url: str, model: str) -> str:
     return f"http://{args.host}:{args.port}"
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int) -> int:
+    """The port to serve HTTP on: `port` if it is free (ValueError otherwise), or any free one for 0."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         try:
             sock.bind((host, port))
         except OSError as exc:
             raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+        return sock.getsockname()[1]
 
 
 def _stop_gateway() -> None:
@@ -214,7 +216,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--startup-timeout", type=float, default=300.0)
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     g.add_argument("--api-key", default=env.api_key(),
                    help="require 'Authorization: Bearer <key>' on the HTTP API (default: $ORCA_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="model name of the HTTP API (default: --model)")

@@ -1,0 +1,39 @@
+"""python -m services.gateway --nats-url nats://... --model DIR [--host H] [--port P]
+
+Runs the gateway's FastAPI app alone under uvicorn (no Ray needed), as docker-compose runs it
+beside the other services; `orca serve` runs the same app as a Ray Serve deployment instead.
+The API key comes from --api-key or ORCA_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.gateway.app import build_app
+from services.gateway.state import GatewaySettings
+from services.logs import setup_logging
+from shared import env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.gateway")
+    parser.add_argument("--nats-url", default=env.nats_url_default() or "nats://127.0.0.1:4222")
+    parser.add_argument("--model", required=True, help="checkpoint directory (its tokenizer and config.json)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=env.api_key(), help="require 'Authorization: Bearer <key>' "
+                        "(default: $ORCA_API_KEY)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args()
+    setup_logging(args.log_level)
+    settings = GatewaySettings(nats_url=args.nats_url, model=args.model, served_model_name=args.served_model_name,
+                               api_key=args.api_key)
+    import uvicorn
+
+    uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                access_log=False, timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The OpenAI-compatible HTTP gateway: a FastAPI app that is one more NATS producer.
+
+`build_app(settings)` makes the app; its lifespan connects to NATS, loads the tokenizer and
+listens to admission and engine status. `orca serve` runs it as a Ray Serve deployment
+(`start_on_ray_serve`); `python -m services.gateway` runs the same app under uvicorn.
+
+Routes: POST /v1/completions, /v1/chat/completions (whole or SSE), GET /v1/models[/{id}],
+GET /health, GET /metrics, POST /tokenize, /detokenize, /v1/abort/{id}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic.json_schema import models_json_schema
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from services.gateway import openai_types as t
+from services.gateway.completions import create_chat_completion, create_completion
+from services.gateway.engine_client import EngineClient
+from services.gateway.errors import APIError, error_body
+from services.gateway.metrics import render_metrics
+from services.gateway.middleware import CountResponses, LimitBody, RequireBearer
+from services.gateway.state import GatewaySettings, GatewayState
+
+log = logging.getLogger("orca.gateway")
+
+ERRORS = {code: {"model": t.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+
+
+def sse_schema(chunk: str) -> dict:
+    """One server-sent event (when `stream` is true): `data: <chunk JSON>`, an error object if the
+    generation fails mid-stream, and `data: [DONE]` last."""
+    refs = [{"$ref": f"#/components/schemas/{name}"} for name in (chunk, "ErrorResponse")]
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": refs}}]}
+    return {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {"data": data}}}}
+
+
+def build_app(settings: GatewaySettings) -> FastAPI:
+    counts: Counter = Counter()
+    app = FastAPI(title="orca-serve", version="0.1.0", lifespan=lifespan(settings, counts),
+                  description="OpenAI-compatible HTTP API of orca-serve")
+    app.add_exception_handler(APIError, lambda request, exc: exc.response())
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    add_routes(app)
+    app.openapi = lambda: _openapi_without_422(app)
+    app.add_middleware(LimitBody, limit=settings.max_body_bytes)
+    app.add_middleware(RequireBearer, api_key=settings.api_key)
+    app.add_middleware(CountResponses, counts=counts)
+    return app
+
+
+def lifespan(settings: GatewaySettings, http_requests: Counter):
+    @asynccontextmanager
+    async def run(app: FastAPI):
+        from engine.tokenizer import load_tokenizer
+        from model.arch import load_arch_config, resolve_max_model_len
+        from services.bus import connect, drain_quietly
+
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+        if tokenizer is None:
+            raise RuntimeError(f"{settings.model} has no tokenizer files")
+        arch = load_arch_config(settings.model)
+        nc = await connect(settings.nats_url, "orca-gateway")
+        client = EngineClient(nc)
+        await client.start()
+        state = GatewayState(settings, client, tokenizer, arch.vocab_size,
+                             resolve_max_model_len(settings.model, None), http_requests)
+        app.state.gateway = state
+        if not await client.wait_for_status(timeout_s=3.0):
+            log.warning("gateway: no admission status yet on %s", settings.nats_url)
+        log.info("gateway: serving %s (model %s)", settings.model_name, settings.model)
+        try:
+            yield
+        finally:
+            await drain_quietly(nc)
+    return run
+
+
+def state_of(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions", response_model=t.CompletionResponse,
+              responses={**ERRORS, 200: {"content": sse_schema("CompletionResponse")}})
+    async def completions(body: t.CompletionRequest, request: Request) -> Response:
+        return await create_completion(state_of(request), body, request)
+
+    @app.post("/v1/chat/completions", response_model=t.ChatCompletionResponse,
+              responses={**ERRORS, 200: {"content": sse_schema("ChatCompletionChunk")}})
+    async def chat_completions(body: t.ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state_of(request), body, request)
+
+    @app.get("/v1/models", response_model=t.ModelList, responses={401: ERRORS[401]})
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": [state_of(request).model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=t.ModelCard, responses={401: ERRORS[401], 404: ERRORS[404]})
+    async def model(model_id: str, request: Request) -> dict:
+        state = state_of(request)
+        state.check_model(model_id)
+        return state.model_card()
+
+    @app.get("/health", response_model=t.Health, responses={503: {"model": t.Health}})
+    async def health(request: Request) -> Response:
+        status = state_of(request).client.status
+        admission = status.fresh_admission()
+        body = {"status": "ok" if status.healthy else "unavailable", "num_engines_ready": status.num_engines_ready,
+                "queue_len": admission.queue_len if admission else None,
+                "max_queue_len": admission.max_queue_len if admission else None}
+        return JSONResponse(body, status_code=200 if status.healthy else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(render_metrics(state_of(request)), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize", response_model=t.TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: t.TokenizeRequest, request: Request) -> dict:
+        state = state_of(request)
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.messages is not None:
+            tokens = (await state.prompts.for_chat(body.messages)).token_ids
+        else:
+            tokens = await state.prompts.run(state.tokenizer.encode, body.prompt)
+        return {"count": len(tokens), "max_model_len": state.context_len(), "tokens": tokens}
+
+    @app.post("/detokenize", response_model=t.DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: t.DetokenizeRequest, request: Request) -> dict:
+        state = state_of(request)
+        state.check_model(body.model)
+        return {"prompt": await state.prompts.run(state.tokenizer.decode, state.prompts.checked(body.tokens))}
+
+    @app.post("/v1/abort/{request_id}", response_model=t.AbortResponse, responses={401: ERRORS[401], 404: ERRORS[404]})
+    async def abort(request_id: str, request: Request) -> dict:
+        """Abort a running or queued completion by the `id` of its response (all its choices)."""
+        generation = state_of(request).client.by_public_id.get(request_id)
+        if generation is None:
+            raise APIError(404, f"no running request with id {request_id!r} on this gateway", param="request_id")
+        return {"id": request_id, "object": "abort", "aborted": generation.abort()}
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents a 422 for every body; this app answers bad bodies with 400 (ErrorResponse)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.setdefault("400", {"description": "Bad Request", "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+        components = schema.get("components", {}).get("schemas", {})
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)
+        _, extra = models_json_schema([(t.ChatCompletionChunk, "serialization")],
+                                      ref_template="#/components/schemas/{model}")
+        for name, definition in extra.get("$defs", {}).items():
+            components.setdefault(name, definition)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+                        for e in errors[:5])
+    return APIError(400, message or "invalid request", param=loc[0] if loc else None).response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("gateway: unexpected error on %s", request.url.path)
+    return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+
+# ---- Ray Serve ---------------------------------------------------------------------------------
+
+def start_on_ray_serve(settings: GatewaySettings, host: str, port: int) -> None:
+    """Serve the app from a Ray Serve deployment (one replica, one NATS connection, many
+    concurrent requests) behind Serve's HTTP proxy on host:port. Ray must be initialised."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    deployment = serve.deployment(serve.ingress()(RayGateway), name="orca-gateway", num_replicas=1,
+                                  max_ongoing_requests=4096, graceful_shutdown_timeout_s=5,
+                                  ray_actor_options={"num_cpus": 0})
+    serve.run(deployment.bind(settings), name="orca-gateway", route_prefix="/")
+
+
+class RayGateway:
+    """The Ray Serve replica: builds the same FastAPI app at replica start."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_app(self.settings)

@@ -1,0 +1,206 @@
+"""POST /v1/completions and /v1/chat/completions: check, tokenize, publish, then answer whole or
+as server-sent events.
+
+The order is the cheap checks first (model, health, a full queue: 429 before any tokenizing or
+publishing), then the prompts against the context, then publish. The first event is awaited
+before the HTTP status is chosen, so an error the system finds (the queue filled meanwhile, an
+engine failed) is still a 4xx/5xx status and not a 200 stream with an error inside. A client that
+goes away (HTTP disconnect, or Ray Serve cancelling the call) gets every unfinished request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import msgspec
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from services.gateway.engine_client import Event, Generation
+from services.gateway.errors import APIError, error_body, from_generation_error
+from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
+from services.gateway.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, PromptInput, check_unsupported,
+                                      generate_requests, resolve_max_tokens)
+from services.gateway.responses import (SSE_DONE, Choice, chat_chunk, chat_logprobs, chat_response, completion_chunk,
+                                        completion_logprobs, completion_response, sse, usage)
+from services.gateway.state import GatewayState
+
+
+@dataclass
+class Call:
+    """One HTTP call being answered: its requests' events and what has been sent of them."""
+
+    state: GatewayState
+    public_id: str
+    chat: bool
+    generation: Generation
+    prompt_lens: list[int]
+    echo: list[str] | None
+    want_logprobs: bool
+    include_usage: bool
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self.model = self.state.settings.model_name
+        self.choices = [Choice() for _ in self.generation.requests]
+
+    def response(self) -> dict:
+        if self.chat:
+            return chat_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
+                                 self.state.token_text, self.want_logprobs)
+        return completion_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
+                                   self.echo, self.state.token_text, self.want_logprobs)
+
+    def chunks(self, index: int, event: Event) -> list[dict]:
+        choice = self.choices[index]
+        first = not choice.started
+        sent_len = sum(map(len, choice.text))
+        choice.started = True
+        choice.add(event)
+        logprobs = event.logprobs if self.want_logprobs and event.logprobs else None
+        if self.chat:
+            return self._chat_chunks(index, event, first, logprobs)
+        text = (self.echo[index] if first and self.echo else "") + event.text
+        if not (text or event.finish_reason or logprobs):
+            return []
+        lp = completion_logprobs(logprobs, self.state.token_text, sent_len) if logprobs else None
+        return [self._with_usage(completion_chunk(self.public_id, self.created, self.model, index, text,
+                                                  event.finish_reason, lp))]
+
+    def _chat_chunks(self, index: int, event: Event, first: bool, logprobs: list | None) -> list[dict]:
+        out = []
+        if first:
+            out.append({"role": "assistant", "content": ""})
+        if event.text or logprobs:
+            out.append({"content": event.text})
+        chunks = [chat_chunk(self.public_id, self.created, self.model, index, delta, None) for delta in out]
+        if logprobs:
+            chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, self.state.token_text)
+        if event.finish_reason is not None:
+            chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, event.finish_reason))
+        return [self._with_usage(c) for c in chunks]
+
+    def _with_usage(self, chunk: dict) -> dict:
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.public_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(self.prompt_lens, self.choices)}
+
+
+async def create_completion(state: GatewayState, body: CompletionRequest, http: Request) -> Response:
+    state.check_model(body.model)
+    state.check_can_take()
+    check_unsupported(body)
+    prompts = await state.prompts.for_completion(body)
+    context, capacity = state.context_len(), state.client.status.kv_capacity_tokens()
+    max_tokens = [resolve_max_tokens(len(p.token_ids), body.max_tokens, context, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                                     capacity) for p in prompts]
+    echo = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
+    return await _serve(state, http, body, False, prompts, max_tokens, body.logprobs, echo)
+
+
+async def create_chat_completion(state: GatewayState, body: ChatCompletionRequest, http: Request) -> Response:
+    state.check_model(body.model)
+    state.check_can_take()
+    check_unsupported(body)
+    prompt = await state.prompts.for_chat(body.messages)
+    asked = body.max_completion_tokens or body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = resolve_max_tokens(len(prompt.token_ids), asked, state.context_len(), None,
+                                    state.client.status.kv_capacity_tokens(), param)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await _serve(state, http, body, True, [prompt], [max_tokens], logprobs, None)
+
+
+def _prompt_text(state: GatewayState, prompt: PromptInput) -> str:
+    return prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
+
+
+async def _serve(state: GatewayState, http: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                 prompts: list[PromptInput], max_tokens: list[int], logprobs: int | None,
+                 echo: list[str] | None) -> Response:
+    public_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs)
+    state.check_can_take()  # tokenizing took a while: look again before publishing
+    generation = await state.client.submit(public_id, requests)
+    state.tokens["prompt"] += sum(len(p.token_ids) for p in prompts) * body.n
+    watcher = asyncio.create_task(_abort_on_disconnect(http, generation))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    call = Call(state, public_id, chat, generation, [len(p.token_ids) for p in prompts], echo,
+                logprobs is not None, include_usage)
+    streaming = False
+    try:
+        first = await _first_event(generation)
+        if body.stream:
+            streaming = True
+            return StreamingResponse(_stream(call, first, watcher), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        item: tuple[int, Event] | None = first
+        while item is not None:
+            index, event = item
+            if event.finish_reason == "error":
+                raise from_generation_error(event.error)
+            call.choices[index].add(event)
+            item = await generation.next()
+        state.tokens["completion"] += sum(c.num_tokens for c in call.choices)
+        return Response(msgspec.json.encode(call.response()), media_type="application/json")
+    finally:
+        if not streaming:
+            watcher.cancel()
+            generation.close()
+
+
+async def _first_event(generation: Generation) -> tuple[int, Event]:
+    item = await generation.next()
+    if item is None:  # closed before any event: the client went away
+        raise APIError(499, "the client closed the request before it started", code="client_closed_request")
+    index, event = item
+    if event.finish_reason == "error" and not event.token_ids:
+        raise from_generation_error(event.error)
+    return item
+
+
+async def _stream(call: Call, first: tuple[int, Event], watcher: asyncio.Task):
+    item: tuple[int, Event] | None = first
+    try:
+        while item is not None:
+            index, event = item
+            if event.finish_reason == "error":
+                error = from_generation_error(event.error)
+                yield sse(error_body(error.status, error.message, error.param, error.status))
+                break
+            for chunk in call.chunks(index, event):
+                yield sse(chunk)
+            item = await call.generation.next()
+        else:
+            if call.include_usage:
+                yield sse(call.usage_chunk())
+        call.state.tokens["completion"] += sum(c.num_tokens for c in call.choices)
+        yield SSE_DONE
+    finally:
+        watcher.cancel()
+        call.generation.close()
+
+
+async def _abort_on_disconnect(http: Request, generation: Generation, linger_s: float = 60.0) -> None:
+    """Wait for the client to go away; then abort what is still running for it, and stop listening
+    once its last events are in (in case no one is left reading them)."""
+    try:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - the server lost the connection: the same as a disconnect
+        pass
+    generation.abort()
+    try:
+        await asyncio.wait_for(generation.done.wait(), linger_s)
+    except TimeoutError:
+        pass
+    generation.close()

@@ -1,0 +1,213 @@
+"""The gateway's side of NATS: publish generate requests, read their events, abort, and keep
+the latest admission and engine status (for /health, back-pressure and the context length).
+
+One connection per gateway process. Every request's reply subject is `<inbox>.<request id>`
+under one wildcard subscription, and a `Generation` merges the events of the n requests one
+HTTP call fans out to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from shared import subjects
+from shared.api import AbortRequest, GenerateEvent, GenerateRequest, encode_json
+from shared.codec import Codec
+from shared.messages import AdmissionStatus, EngineStatus
+
+log = logging.getLogger("orca.gateway")
+admission_codec = Codec(AdmissionStatus)
+engine_codec = Codec(EngineStatus)
+
+STATUS_FRESH_S = 5.0
+"""A status older than this is not believed (admission publishes every second, idle engines twice)."""
+
+
+class Event(GenerateEvent, frozen=True, omit_defaults=True):
+    """A GenerateEvent, plus per-token log-probabilities should the tokenizer service send them
+    (shape of `orca generate`'s output: token_id, logprob, top_logprobs [{token_id, logprob}])."""
+
+    logprobs: list[Any] | None = None
+
+
+event_decoder = msgspec.json.Decoder(Event)
+
+
+class StatusBoard:
+    """The latest admission status and each engine's latest status, with when they came."""
+
+    def __init__(self) -> None:
+        self.admission: AdmissionStatus | None = None
+        self.admission_at = 0.0
+        self.engines: dict[str, tuple[EngineStatus, float]] = {}
+
+    def on_admission(self, status: AdmissionStatus) -> None:
+        self.admission, self.admission_at = status, time.monotonic()
+
+    def on_engine(self, status: EngineStatus) -> None:
+        self.engines[status.replica] = (status, time.monotonic())
+
+    def fresh_admission(self) -> AdmissionStatus | None:
+        if self.admission is not None and time.monotonic() - self.admission_at < STATUS_FRESH_S:
+            return self.admission
+        return None
+
+    def ready_engines(self) -> list[EngineStatus]:
+        now = time.monotonic()
+        return [s for s, at in self.engines.values() if s.ready and now - at < STATUS_FRESH_S]
+
+    @property
+    def num_engines_ready(self) -> int:
+        admission = self.fresh_admission()
+        return admission.num_engines_ready if admission is not None else 0
+
+    @property
+    def healthy(self) -> bool:
+        """Admission is alive and counts at least one ready engine."""
+        return self.num_engines_ready > 0
+
+    @property
+    def queue_full(self) -> bool:
+        admission = self.fresh_admission()
+        return admission is not None and admission.full
+
+    def max_model_len(self) -> int | None:
+        """The longest context a ready engine serves (admission sends a request to any that fits)."""
+        return max((s.max_model_len for s in self.ready_engines()), default=None)
+
+    def kv_capacity_tokens(self) -> int | None:
+        return max((s.num_blocks * s.block_size for s in self.ready_engines()), default=None)
+
+
+_CLOSED = (-1, None)
+
+
+class Generation:
+    """The events of the requests one HTTP call made, merged: (choice index, event)."""
+
+    def __init__(self, client: EngineClient, public_id: str, requests: list[GenerateRequest]) -> None:
+        self.client = client
+        self.public_id = public_id
+        self.requests = requests
+        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.unfinished = {r.id for r in requests}
+        self.done = asyncio.Event()
+        """Set when every request has sent its last event (some may still wait in `queue`)."""
+        self.closed = False
+
+    def deliver(self, index: int, event: Event) -> None:
+        self.queue.put_nowait((index, event))
+        if event.finish_reason is not None:
+            self.unfinished.discard(self.requests[index].id)
+            if not self.unfinished:
+                self.done.set()
+
+    async def next(self) -> tuple[int, Event] | None:
+        """The next event of any of the requests (choice index, event); None after the last one, or
+        once the generation is closed."""
+        if self.closed or (self.queue.empty() and not self.unfinished):
+            return None
+        item = await self.queue.get()
+        return None if item is _CLOSED else item
+
+    def abort(self) -> list[str]:
+        """Abort every request of this call that has not finished (fire and forget: safe to call
+        from a cancelled task); their last events then say "abort"."""
+        ids = sorted(self.unfinished)
+        self.client.abort_soon(ids)
+        return ids
+
+    def close(self) -> None:
+        """Stop listening; whatever has not finished is aborted so its KV is freed."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.unfinished:
+            self.abort()
+        self.client.forget(self)
+        self.queue.put_nowait(_CLOSED)  # wakes a reader still waiting
+
+
+class EngineClient:
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.status = StatusBoard()
+        self.inbox = nc.new_inbox()
+        self.routes: dict[str, tuple[Generation, int]] = {}
+        self.by_public_id: dict[str, Generation] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.nc.subscribe(subjects.ADMISSION_STATUS, cb=self._on_admission)
+        await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self._on_engine)
+        await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_event)
+
+    async def wait_for_status(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.status.fresh_admission() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.status.fresh_admission() is not None
+
+    async def submit(self, public_id: str, requests: list[GenerateRequest]) -> Generation:
+        generation = Generation(self, public_id, requests)
+        for index, request in enumerate(requests):
+            self.routes[request.id] = (generation, index)
+        self.by_public_id[public_id] = generation
+        for request in requests:
+            await self.nc.publish(subjects.GENERATE, encode_json(request), reply=f"{self.inbox}.{request.id}")
+        return generation
+
+    def forget(self, generation: Generation) -> None:
+        for request in generation.requests:
+            self.routes.pop(request.id, None)
+        self.by_public_id.pop(generation.public_id, None)
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(request_ids))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        try:
+            for request_id in request_ids:
+                await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id)))
+            await self.nc.flush(timeout=5)
+        except Exception as exc:  # noqa: BLE001 - NATS down: the engines cannot be told either
+            log.warning("could not send aborts for %s: %s", request_ids, exc)
+
+    @property
+    def num_running(self) -> int:
+        return sum(len(g.unfinished) for g in self.by_public_id.values())
+
+    async def _on_event(self, msg: Msg) -> None:
+        request_id = msg.subject[len(self.inbox) + 1:]
+        route = self.routes.get(request_id)
+        if route is None:
+            return  # its HTTP call has gone
+        try:
+            event = event_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("bad event for %s: %s", request_id, exc)
+            return
+        route[0].deliver(route[1], event)
+
+    async def _on_admission(self, msg: Msg) -> None:
+        try:
+            self.status.on_admission(admission_codec.decode(msg.data))
+        except msgspec.DecodeError as exc:
+            log.warning("bad admission status: %s", exc)
+
+    async def _on_engine(self, msg: Msg) -> None:
+        try:
+            self.status.on_engine(engine_codec.decode(msg.data))
+        except msgspec.DecodeError as exc:
+            log.warning("bad engine status: %s", exc)

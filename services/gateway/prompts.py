@@ -1,0 +1,140 @@
+"""From an OpenAI request to the GenerateRequests the gateway publishes.
+
+The gateway tokenizes (it must know prompt lengths to check them against the context and to
+default chat's max_tokens to the rest of it) and then sends token ids, so nothing is tokenized
+twice. Prompt i's choice j is request `<id>-<i * n + j>`, seeded `seed + j` when a seed is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from engine.tokenizer import Tokenizer
+from services.gateway.errors import APIError
+from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from shared.api import GenerateRequest
+
+T = TypeVar("T")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default for /v1/completions; chat's default is the rest of the context."""
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    token_ids: list[int]
+    text: str | None = None
+    """The prompt as text (for `echo`), when it came as text."""
+
+
+class Prompts:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        # One thread: off the event loop, and a Hugging Face fast tokenizer is not safe to share
+        # between threads ("Already borrowed").
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def for_completion(self, request: CompletionRequest) -> list[PromptInput]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [await self.encode(prompt)]
+        if isinstance(prompt[0], str):
+            return [await self.encode(p) for p in prompt]
+        if isinstance(prompt[0], int):
+            return [PromptInput(self.checked(prompt))]
+        return [PromptInput(self.checked(ids)) for ids in prompt]
+
+    async def for_chat(self, messages: list[ChatMessage]) -> PromptInput:
+        return PromptInput(await self.run(self.render_chat, messages))
+
+    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
+        dicts = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
+                 for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(dicts)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        except Exception as exc:  # noqa: BLE001 - a Jinja template error is still about the messages
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    async def encode(self, text: str) -> PromptInput:
+        ids = await self.run(self.tokenizer.encode, text)
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        return PromptInput(ids, text)
+
+    def checked(self, ids: list[int]) -> list[int]:
+        bad = next((t for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                           param="prompt")
+        return ids
+
+
+def message_text(message: ChatMessage) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "".join(part.text for part in message.content)
+
+
+def resolve_max_tokens(prompt_len: int, asked: int | None, context: int, default: int | None,
+                       capacity: int | None = None, param: str = "max_tokens") -> int:
+    """max_tokens for one prompt: the asked value if prompt + it fits the context (else a 400 naming
+    both numbers); unasked, `default` (None: all the room left, within the KV cache too) capped by the room."""
+    if prompt_len >= context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                            f"{prompt_len} tokens, leaving no room to generate. Please shorten the prompt.",
+                       param="prompt", code="context_length_exceeded")
+    room = context - prompt_len
+    if asked is None:
+        if capacity is not None and capacity > prompt_len:
+            room = min(room, capacity - prompt_len)
+        return room if default is None else min(default, room)
+    if prompt_len + asked > context:
+        raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
+                            f"{prompt_len + asked} tokens ({prompt_len} in the prompt, {asked} in the "
+                            f"completion). Please reduce the prompt or {param}.",
+                       param=param, code="context_length_exceeded")
+    return asked
+
+
+def check_unsupported(request: SamplingFields) -> None:
+    """Fields accepted for compatibility but only in their neutral form."""
+    if request.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
+        raise APIError(400, "best_of must equal n (beam search and best-of are not supported)", param="best_of")
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def generate_requests(public_id: str, request: SamplingFields, prompts: list[PromptInput], max_tokens: list[int],
+                      logprobs: int | None) -> list[GenerateRequest]:
+    out = []
+    for p, prompt in enumerate(prompts):
+        for j in range(request.n):
+            seed = None if request.seed is None else (request.seed + j) % 2**63
+            generate = GenerateRequest(
+                id=f"{public_id}-{p * request.n + j}", prompt_token_ids=prompt.token_ids,
+                max_tokens=max_tokens[p], temperature=request.temperature, top_p=request.top_p,
+                top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop,
+                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+                repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty)
+            try:
+                generate.sampling_params()
+            except ValueError as exc:
+                raise APIError(400, str(exc)) from None
+            out.append(generate)
+    return out

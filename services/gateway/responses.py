@@ -1,0 +1,120 @@
+"""From generate events to OpenAI bodies: whole responses, stream chunks, usage, logprobs.
+
+Plain dicts shaped as `openai_types`' response models (the tests check them against the schema).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from services.gateway.engine_client import Event
+
+TokenText = Callable[[int], str]
+
+
+@dataclass
+class Choice:
+    """What one choice has received so far."""
+
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    started: bool = False
+    """A stream has sent this choice's first chunk."""
+
+    def add(self, event: Event) -> None:
+        self.text.append(event.text)
+        self.num_tokens += len(event.token_ids)
+        if event.logprobs:
+            self.logprobs.extend(event.logprobs)
+        if event.finish_reason is not None:
+            self.finish_reason, self.error = event.finish_reason, event.error
+            if event.usage is not None:
+                self.num_tokens = event.usage.completion_tokens
+
+
+def usage(prompt_lens: list[int], choices: list[Choice]) -> dict:
+    prompt = sum(prompt_lens)
+    completion = sum(c.num_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
+                        echo: list[str] | None, token_text: TokenText, want_logprobs: bool) -> dict:
+    return {
+        "id": public_id, "object": "text_completion", "created": created, "model": model,
+        "choices": [{"index": i, "text": (echo[i] if echo else "") + "".join(c.text),
+                     "logprobs": completion_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
+                     "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+        "usage": usage(prompt_lens, choices),
+    }
+
+
+def chat_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
+                  token_text: TokenText, want_logprobs: bool) -> dict:
+    return {
+        "id": public_id, "object": "chat.completion", "created": created, "model": model,
+        "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+                     "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
+                     "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+        "usage": usage(prompt_lens, choices),
+    }
+
+
+def completion_chunk(public_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
+                     logprobs: dict | None = None) -> dict:
+    return {"id": public_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(public_id: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,
+               logprobs: dict | None = None) -> dict:
+    return {"id": public_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---- logprobs: entries {token_id, logprob, top_logprobs: [{token_id, logprob}]} ----------------
+
+def _entry(entry: Any) -> tuple[int, float, list[tuple[int, float]]]:
+    if isinstance(entry, dict):
+        top = [(t["token_id"], t["logprob"]) for t in entry.get("top_logprobs") or ()]
+        return entry["token_id"], entry["logprob"], top
+    token_id, logprob, *rest = entry  # array-like TokenLogprob: [token_id, logprob, [[id, lp], ...]]
+    return token_id, logprob, [tuple(t) for t in (rest[0] if rest else ())]
+
+
+def completion_logprobs(entries: list[Any], token_text: TokenText, offset: int = 0) -> dict:
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for entry in entries:
+        token_id, logprob, top = _entry(entry)
+        text = token_text(token_id)
+        tokens.append(text)
+        logprobs.append(logprob)
+        tops.append({token_text(t): lp for t, lp in top} or None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[Any], token_text: TokenText) -> dict:
+    content = []
+    for entry in entries:
+        token_id, logprob, top = _entry(entry)
+        text = token_text(token_id)
+        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
+                        "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+                                         for t, lp in top]})
+    return {"content": content}

@@ -1,0 +1,15 @@
+import pytest
+
+from tests.gateway.helpers import GatewayServe
+
+MODEL_NAME = "demo"
+
+
+@pytest.fixture(scope="session")
+def gateway(demo_model):
+    """One `orca serve` (real nats-server, real local Ray, Ray Serve gateway) for the gateway tests
+    that do not need a special configuration."""
+    serve = GatewayServe(["--model", demo_model, "--max-num-seqs", "4", "--kv-cache-tokens", "16384",
+                          "--worker-threads", "1", "--served-model-name", MODEL_NAME])
+    yield serve
+    assert serve.stop() == 0

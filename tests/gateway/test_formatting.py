@@ -1,0 +1,89 @@
+"""The gateway's pure parts, no stack: max_tokens and context rules, error mapping, logprobs shapes,
+the status board's judgement. (Everything with NATS and HTTP is in the slow modules.)"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from services.gateway.engine_client import Event, StatusBoard
+from services.gateway.errors import APIError, from_generation_error
+from services.gateway.openai_types import ChatCompletionResponse, CompletionResponse
+from services.gateway.prompts import resolve_max_tokens
+from services.gateway.responses import Choice, chat_logprobs, chat_response, completion_logprobs, completion_response
+from shared.messages import AdmissionStatus, EngineStatus
+
+TOKENS = {1: "a", 2: "bc", 3: "é"}
+ENTRIES = [{"token_id": 1, "logprob": -0.5, "top_logprobs": [{"token_id": 1, "logprob": -0.5},
+                                                             {"token_id": 2, "logprob": -1.5}]},
+           {"token_id": 3, "logprob": -0.25, "top_logprobs": []}]
+
+
+def test_max_tokens_defaults_and_context_rules():
+    assert resolve_max_tokens(10, None, 1024, 16) == 16
+    assert resolve_max_tokens(1020, None, 1024, 16) == 4, "the default is capped by the room left"
+    assert resolve_max_tokens(24, None, 1024, None) == 1000, "chat: the rest of the context"
+    assert resolve_max_tokens(24, None, 1024, None, capacity=512) == 488, "... and of the KV cache"
+    assert resolve_max_tokens(24, 1000, 1024, None) == 1000
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(24, 1001, 1024, None)
+    assert info.value.status == 400 and "1024" in info.value.message and "1025" in info.value.message
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(1024, None, 1024, 16)
+    assert info.value.param == "prompt" and info.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("text,status", [
+    ("the admission queue is full (2 requests); retry later", 429),
+    ("prompt has 1100 tokens; the model's context is 1024, leaving no room to generate", 400),
+    ("request needs 9000 KV slots (prompt + max_tokens) but the cache holds 4096", 400),
+    ("prompt token id 99999 is outside the vocabulary [0, 4096)", 400),
+    ("engine 0 failed: WorkerDied", 503), ("engine 1 is not ready", 503), (None, 503),
+])
+def test_generation_errors_map_to_the_right_status(text, status):
+    error = from_generation_error(text)
+    assert error.status == status
+    assert set(error.body()["error"]) == {"message", "type", "param", "code"}
+    if status == 429:
+        assert error.headers["Retry-After"] == "1"
+
+
+def test_logprobs_in_openai_shapes():
+    completion = completion_logprobs(ENTRIES, TOKENS.get)
+    assert completion == {"tokens": ["a", "é"], "token_logprobs": [-0.5, -0.25],
+                          "top_logprobs": [{"a": -0.5, "bc": -1.5}, None], "text_offset": [0, 1]}
+    chat = chat_logprobs(ENTRIES, TOKENS.get)["content"]
+    assert chat[1] == {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9], "top_logprobs": []}
+    assert [t["token"] for t in chat[0]["top_logprobs"]] == ["a", "bc"]
+    array_like = [[1, -0.5, [[2, -1.5]]]]  # TokenLogprob as msgspec sends it (array_like)
+    assert completion_logprobs(array_like, TOKENS.get)["top_logprobs"] == [{"bc": -1.5}]
+
+
+def test_whole_responses_match_their_models():
+    choice = Choice()
+    for event in (Event("r-0", [1], "a", None, logprobs=ENTRIES[:1]),
+                  Event("r-0", [3], "é", "length", logprobs=ENTRIES[1:], usage={"prompt_tokens": 3,
+                                                                                  "completion_tokens": 2})):
+        choice.add(msgspec.convert(msgspec.to_builtins(event), Event))
+    body = completion_response("cmpl-1", 1, "m", [choice], [3], ["p: "], TOKENS.get, True)
+    CompletionResponse.model_validate(body)
+    assert body["choices"][0]["text"] == "p: aé" and body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
+                                                                        "total_tokens": 5}
+    chat = chat_response("chatcmpl-1", 1, "m", [choice], [3], TOKENS.get, True)
+    ChatCompletionResponse.model_validate(chat)
+    assert chat["choices"][0]["message"] == {"role": "assistant", "content": "aé"}
+
+
+def test_status_board_health_and_queue():
+    board = StatusBoard()
+    assert not board.healthy and not board.queue_full and board.max_model_len() is None
+    board.on_admission(AdmissionStatus(queue_len=0, max_queue_len=2, num_engines_ready=1))
+    assert board.healthy and not board.queue_full
+    board.on_admission(AdmissionStatus(queue_len=2, max_queue_len=2, num_engines_ready=1))
+    assert board.queue_full
+    board.on_engine(EngineStatus(replica="0", incarnation="i", ready=True, block_size=16, num_blocks=100,
+                                 admissible_blocks=100, num_running=0, num_waiting=0, max_num_seqs=4,
+                                 max_model_len=512, last_admit_sequence=0, iteration=0, kv_used_blocks=0))
+    assert board.max_model_len() == 512 and board.kv_capacity_tokens() == 1600
+    board.admission_at -= 60  # stale: not believed
+    assert not board.healthy and not board.queue_full

@@ -1,0 +1,242 @@
+"""Raw HTTP against the gateway of a real `orca serve`: SSE framing, error bodies for dozens of bad
+inputs (never a 5xx), body limits, the small routes, abort, and clients that go away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import nats
+import pytest
+
+from tests.gateway.conftest import MODEL_NAME
+from shared import subjects
+from tests.gateway.helpers import sse_events
+from tests.services.stack import engine_statuses
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "hi"}]
+LONG = {"prompt": "x = 1", "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def http(gateway):
+    with httpx.Client(base_url=gateway.http_url, timeout=60) as client:
+        yield client
+
+
+def completion(**fields) -> dict:
+    return {"model": MODEL_NAME, "prompt": "def main():", "max_tokens": 3, **fields}
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 3, **fields}
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
+BAD = [
+    (C, b"not json", 400, None), (C, b"[1, 2]", 400, None), (C, b"{}", 400, "prompt"), (C, b"", 400, None),
+    (C, completion(prompt=""), 400, "prompt"), (C, completion(prompt=[]), 400, "prompt"),
+    (C, completion(prompt=[[]]), 400, "prompt"), (C, completion(prompt=[-1]), 400, "prompt"),
+    (C, completion(prompt=[999999]), 400, "prompt"), (C, completion(prompt=5), 400, "prompt"),
+    (C, completion(prompt=["a", 1]), 400, "prompt"), (C, completion(prompt=["a"] * 33), 400, "prompt"),
+    (C, completion(prompt=[5] * 1100), 400, "prompt"),
+    (C, completion(max_tokens=0), 400, "max_tokens"), (C, completion(max_tokens=-1), 400, "max_tokens"),
+    (C, completion(max_tokens="5"), 400, "max_tokens"), (C, completion(max_tokens=1.5), 400, "max_tokens"),
+    (C, completion(max_tokens=5000), 400, "max_tokens"), (C, completion(max_tokens=2**70), 400, "max_tokens"),
+    (C, completion(temperature=-1), 400, "temperature"), (C, completion(temperature=3), 400, "temperature"),
+    (C, completion(temperature="hot"), 400, "temperature"), (C, completion(top_p=0), 400, "top_p"),
+    (C, completion(top_p=1.5), 400, "top_p"), (C, completion(top_k=-2), 400, "top_k"),
+    (C, completion(min_p=2), 400, "min_p"), (C, completion(n=0), 400, "n"), (C, completion(n=17), 400, "n"),
+    (C, completion(n=True), 400, "n"), (C, completion(seed=-1), 400, "seed"), (C, completion(seed=2**64), 400, "seed"),
+    (C, completion(stop=[""]), 400, "stop"), (C, completion(stop=["s"] * 17), 400, "stop"),
+    (C, completion(stop=5), 400, "stop"), (C, completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    (C, completion(presence_penalty=3), 400, "presence_penalty"),
+    (C, completion(frequency_penalty=-3), 400, "frequency_penalty"),
+    (C, completion(repetition_penalty=0), 400, "repetition_penalty"), (C, completion(logprobs=21), 400, "logprobs"),
+    (C, completion(bogus=1), 400, "bogus"), (C, completion(model="nope"), 404, "model"),
+    (C, completion(logit_bias={"1": 2.0}), 400, "logit_bias"), (C, completion(best_of=2), 400, "best_of"),
+    (C, completion(suffix="x"), 400, "suffix"), (C, completion(stream_options={"include_usage": True}), 400, None),
+    (C, completion(stream="yes"), 400, "stream"), (C, completion(echo=1), 400, "echo"),
+    (C, completion(user=5), 400, "user"),
+    (C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    (C, completion(stream=True, max_tokens=5000), 400, "max_tokens"),
+    (CH, {"model": MODEL_NAME, "messages": []}, 400, "messages"), (CH, {"model": MODEL_NAME}, 400, "messages"),
+    (CH, chat(messages="hi"), 400, "messages"),
+    (CH, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages"),
+    (CH, chat(messages=[{"role": "user", "content": 5}]), 400, "messages"),
+    (CH, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages"),
+    (CH, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (CH, chat(max_tokens=2000), 400, "max_tokens"),
+    (CH, chat(max_completion_tokens=2000), 400, "max_completion_tokens"),
+    (CH, chat(top_logprobs=3), 400, "top_logprobs"), (CH, chat(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+    (CH, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    (CH, chat(tools=[{"type": "function"}]), 400, "tools"), (CH, chat(model="nope"), 404, "model"),
+    (CH, chat(stream=True, max_tokens=2000), 400, "max_tokens"),
+    (TOK, {}, 400, None), (TOK, {"prompt": "a", "messages": CHAT}, 400, None), (TOK, {"prompt": 5}, 400, "prompt"),
+    (DETOK, {"tokens": [-1]}, 400, "tokens"), (DETOK, {"tokens": [999999]}, 400, None),
+    (DETOK, {"tokens": [1], "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_a_4xx_with_an_openai_error_body(http, path, body, status, param):
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert_error(response, status, param)
+
+
+def test_context_errors_name_both_numbers(http):
+    error = assert_error(http.post(C, json=completion(prompt=[5] * 1000, max_tokens=100)), 400, "max_tokens")
+    assert "1024" in error["message"] and "1100" in error["message"] and error["code"] == "context_length_exceeded"
+
+
+def test_routes_and_methods_that_do_not_exist(http):
+    assert_error(http.get("/nope"), 404)
+    assert_error(http.get(C), 405)
+    assert_error(http.post("/v1/abort/cmpl-unknown"), 404)
+
+
+def test_oversized_bodies_are_refused_before_parsing(http):
+    big = b'{"prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+    assert_error(http.post(C, content=big, headers={"content-type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: counted as it streams in
+        for _ in range(5):
+            yield b"a" * (1024 * 1024)
+    assert_error(http.post(C, content=chunks(), headers={"content-type": "application/json"}), 413)
+
+
+def test_sse_framing_completions_and_chat(http):
+    with http.stream("POST", C, json=completion(max_tokens=5, n=2, stream=True,
+                                                stream_options={"include_usage": True})) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response.read())
+    assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+    chunks = events[:-1]
+    assert len({c["id"] for c in chunks}) == 1 and {c["object"] for c in chunks} == {"text_completion"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+    finished = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert sorted(ch["index"] for ch in finished) == [0, 1]
+
+    with http.stream("POST", CH, json=chat(max_tokens=4, stream=True)) as response:
+        events = sse_events(response.read())
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in c for c in chunks) and {c["object"] for c in chunks} == {"chat.completion.chunk"}
+
+
+def test_echo_and_stop(http):
+    out = http.post(C, json=completion(prompt="def main():", max_tokens=4, temperature=0, echo=True)).json()
+    assert out["choices"][0]["text"].startswith("def main():")
+    full = http.post(C, json=completion(max_tokens=30, temperature=0)).json()["choices"][0]["text"]
+    stop = full[10:13]
+    cut = http.post(C, json=completion(max_tokens=30, temperature=0, stop=stop)).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
+
+
+def test_health_metrics_models(http):
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["num_engines_ready"] == 1
+    http.post(C, json=completion(temperature=-5))
+    metrics = http.get("/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    text = metrics.text
+    assert 'orca:http_requests_total{route="/v1/completions",code="400"}' in text
+    assert "orca:admission_queue_len 0" in text and "orca:num_engines_ready 1" in text
+    assert "# TYPE orca:http_requests_total counter" in text
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["id"] == MODEL_NAME and card["max_model_len"] == 1024 and card["object"] == "model"
+
+
+def test_tokenize_and_detokenize(http):
+    tokens = http.post(TOK, json={"prompt": "def main():"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 1024
+    assert http.post(DETOK, json={"tokens": tokens["tokens"]}).json()["prompt"] == "def main():"
+    rendered = http.post(TOK, json={"messages": CHAT, "model": MODEL_NAME}).json()
+    usage = http.post(CH, json=chat(max_tokens=1)).json()["usage"]
+    assert rendered["count"] == usage["prompt_tokens"]
+
+
+def test_abort_route_ends_a_running_stream(gateway, http):
+    with http.stream("POST", C, json={**LONG, "max_tokens": 400, "stream": True}) as response:
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+        aborted = http.post(f"/v1/abort/{first['id']}")
+        assert aborted.status_code == 200 and aborted.json()["aborted"] == [first["id"] + "-0"]
+        rest = [line[6:] for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
+
+
+async def _read_chunks(client: httpx.AsyncClient, body: dict, stop_after: int | None = None,
+                       until: asyncio.Event | None = None) -> list[dict]:
+    """Stream a completion; hang up after `stop_after` chunks, or once `until` is set."""
+    chunks = []
+    async with client.stream("POST", C, json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if stop_after is not None and len(chunks) >= stop_after:
+                    return chunks  # leaving the block closes the connection mid-stream
+            if until is not None and until.is_set():
+                return chunks
+    return chunks
+
+
+def test_clients_that_go_away_are_aborted_and_free_their_kv(gateway):
+    async def go():
+        nc = await nats.connect(gateway.nats_url)
+        aborted: list[str] = []
+
+        async def on_abort(msg):
+            aborted.append(json.loads(msg.data)["id"])
+        await nc.subscribe(subjects.ABORT, cb=on_abort)
+        async with httpx.AsyncClient(base_url=gateway.http_url, timeout=120) as client:
+            body = {**LONG, "max_tokens": 60, "stream": True}
+            quitter, *stayers = await asyncio.gather(_read_chunks(client, {**body, "max_tokens": 400}, 3),
+                                                     _read_chunks(client, body), _read_chunks(client, body))
+            await asyncio.sleep(0.5)
+            assert quitter[0]["id"] + "-0" in aborted
+            for chunks in stayers:  # the other streams went on to the end
+                assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+                assert sum(len(c["choices"]) for c in chunks) >= 2
+
+            # Queued: 4 long streams fill the engine (--max-num-seqs 4), a 5th waits and its client times out.
+            hang_up = asyncio.Event()
+            fillers = [asyncio.create_task(_read_chunks(client, {**body, "max_tokens": 400}, until=hang_up))
+                       for _ in range(4)]
+            await asyncio.sleep(0.5)
+            before = set(aborted)
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(C, json={**LONG, "max_tokens": 5}, timeout=1.0)
+            hang_up.set()
+            await asyncio.gather(*fillers)
+            await asyncio.sleep(1.0)
+            assert len(set(aborted) - before) >= 5, "the queued request and the 4 fillers were aborted"
+        await nc.close()
+    asyncio.run(go())
+    statuses = asyncio.run(engine_statuses(gateway.nats_url))
+    for status in statuses.values():
+        assert status.kv_used_blocks == 0 and status.num_running == 0 and status.num_waiting == 0
+    metrics = httpx.get(gateway.http_url + "/metrics").text
+    assert "orca:admission_queue_len 0" in metrics and "orca:num_requests_running 0" in metrics
