@@ -14,7 +14,7 @@ from typing import IO, Any
 import msgspec
 
 from engine.llm_engine import Completion, LLMEngine
-from shared.api import decode_generate_request
+from shared.api import decode_generate_request, event_logprobs
 
 _encoder = msgspec.json.Encoder()
 
@@ -25,9 +25,7 @@ def completion_record(c: Completion) -> dict[str, Any]:
         "text": c.text, "finish_reason": c.finish_reason.label if c.finish_reason is not None else None,
     }
     if c.logprobs is not None:
-        record["logprobs"] = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                               "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]}
-                              for lp in c.logprobs]
+        record["logprobs"] = event_logprobs(c.logprobs)
     if c.error:
         record["error"] = c.error
     record["metrics"] = c.metrics()

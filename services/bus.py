@@ -46,16 +46,20 @@ def stop_event_on_signals() -> asyncio.Event:
     return stop
 
 
-async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[None]],
+async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[Callable[[], Awaitable[None]] | None]],
                       stop: asyncio.Event | None = None) -> None:
-    """Connect, let `start` subscribe, wait for a stop signal, then drain."""
+    """Connect, let `start` subscribe (it may return a coroutine function that stops its own
+    tasks), wait for a stop signal, then stop those tasks and drain."""
     stop = stop or stop_event_on_signals()
     nc = await connect(url, name)
+    cleanup = None
     try:
-        await start(nc)
+        cleanup = await start(nc)
         log.info("%s: ready on %s", name, url)
         await stop.wait()
     finally:
+        if cleanup is not None:
+            await cleanup()
         await drain_quietly(nc)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shared.outputs import TokenLogprob
 from shared.sampling import SamplingParams
 
 
@@ -77,6 +78,23 @@ class Usage(msgspec.Struct, frozen=True):
     completion_tokens: int
 
 
+class TopLogprob(msgspec.Struct, frozen=True):
+    token_id: int
+    logprob: float
+
+
+class EventLogprob(msgspec.Struct, frozen=True):
+    """The log-probability of a sampled token and the top alternatives (`orca generate`'s shape)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[TopLogprob] = []
+
+
+def event_logprobs(logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> list[EventLogprob]:
+    return [EventLogprob(lp.token_id, lp.logprob, [TopLogprob(t, v) for t, v in lp.top]) for lp in logprobs]
+
+
 class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """One streamed event on a NATS generate request's reply subject (JSON). The last one has
     `finish_reason` set ("stop", "length", "abort" or "error") and `usage`."""
@@ -89,6 +107,8 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
     """On the final event only."""
+    logprobs: list[EventLogprob] | None = None
+    """One per token in `token_ids`, when the request asked for logprobs."""
 
 
 class AbortRequest(msgspec.Struct, frozen=True):

@@ -11,8 +11,10 @@ from services.logs import setup_logging
 
 
 async def main(args: argparse.Namespace) -> None:
-    async def start(nc) -> None:
-        await AdmissionService(nc, args.max_queue_len).start()
+    async def start(nc):
+        service = AdmissionService(nc, args.max_queue_len)
+        await service.start()
+        return service.stop
 
     await run_service("orca-admission", args.nats_url, start)
 

@@ -37,6 +37,10 @@ class AdmissionService:
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
         self._heartbeat = asyncio.create_task(self._publish_periodically())
 
+    async def stop(self) -> None:
+        self._heartbeat.cancel()
+        await asyncio.gather(self._heartbeat, return_exceptions=True)
+
     async def _publish_periodically(self, every_s: float = 1.0) -> None:
         """Also without changes, so a gateway that starts later learns the state within a second."""
         while True:

@@ -11,8 +11,10 @@ from services.logs import setup_logging
 
 
 async def main(args: argparse.Namespace) -> None:
-    async def start(nc) -> None:
-        await JobsService(nc, args.concurrency).start()
+    async def start(nc):
+        service = JobsService(nc, args.concurrency)
+        await service.start()
+        return service.stop
 
     await run_service("orca-jobs", args.nats_url, start)
 

@@ -65,6 +65,13 @@ class JobsService:
             config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_ack_pending=1024))
         self._loop = asyncio.create_task(self._pull())
 
+    async def stop(self) -> None:
+        """Stop pulling; jobs in progress are not acked, so JetStream hands them out again."""
+        self._loop.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(self._loop, *self._tasks, return_exceptions=True)
+
     async def _pull(self) -> None:
         while True:
             await self.concurrency.acquire()

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from core.detokenize import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from shared import subjects
-from shared.api import GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json
+from shared.api import GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json, event_logprobs
 from shared.codec import Codec
 from shared.messages import Cancel, IterationOutputs, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
@@ -92,14 +92,17 @@ class TokenizerService:
         if state.detokenizer.stopped and reason is None:
             reason = FinishReason.STOP
             await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(output.request_id, reason)))
+        logprobs = event_logprobs(output.logprobs) if output.logprobs else None
         if reason is None:
-            await self._publish(state.reply, GenerateEvent(output.request_id, list(output.new_token_ids), text, None))
+            await self._publish(state.reply, GenerateEvent(output.request_id, list(output.new_token_ids), text, None,
+                                                           logprobs=logprobs))
             return
         text += state.detokenizer.flush()
         del self.active[output.request_id]
         await self._publish(state.reply, GenerateEvent(
             output.request_id, list(output.new_token_ids), text, reason.label, error=output.error,
-            usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids))
+            usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids,
+            logprobs=logprobs))
 
     async def _publish(self, subject: str, event: GenerateEvent) -> None:
         await self.nc.publish(subject, encode_json(event))

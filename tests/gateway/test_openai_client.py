@@ -138,3 +138,14 @@ def test_async_client_concurrently(gateway, expected):
     texts = asyncio.run(go())
     reference = [expected[f"p{i}"]["text"] for i in range(4)]
     assert texts == reference + reference + [expected["chat"]["text"]] * 2
+
+
+def test_logprobs_reach_the_client(client, expected):
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=10, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.token_logprobs) == 10 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(top) >= 1 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=5, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)

@@ -24,7 +24,7 @@ PROMPTS = ["def main():", "import os\n", "class Config:", "for i in range(10):",
 
 @pytest.fixture(scope="module")
 def stack(demo_model):
-    serve = OrcaServe(["--model", demo_model, "--replicas", "2", "--max-num-seqs", "4",
+    serve = OrcaServe(["--model", demo_model, "--port", "0", "--replicas", "2", "--max-num-seqs", "4",
                        "--kv-cache-tokens", "16384", "--worker-threads", "1"])
     yield serve
     assert serve.stop() == 0
@@ -34,7 +34,8 @@ def requests() -> list[dict]:
     out = []
     for i, prompt in enumerate(PROMPTS):
         out.append({"id": f"text-{i}", "prompt": prompt, "max_tokens": 6 + 3 * i, "temperature": 0})
-    out.append({"id": "ids", "prompt_token_ids": [12, 345, 678, 90], "max_tokens": 9, "temperature": 0})
+    out.append({"id": "ids", "prompt_token_ids": [12, 345, 678, 90], "max_tokens": 9, "temperature": 0,
+                "logprobs": 3})
     out.append({"id": "seeded", "prompt": "import sys", "max_tokens": 12, "temperature": 0.9, "seed": 11})
     return out
 
@@ -81,6 +82,12 @@ def test_streamed_greedy_output_equals_orca_generate(stack, demo_model):
         assert final["finish_reason"] == expected[body["id"]]["finish_reason"]
         assert final["usage"] == {"prompt_tokens": len(expected[body["id"]]["prompt_token_ids"]),
                                   "completion_tokens": len(tokens)}
+        if "logprobs" in body:
+            streamed_logprobs = [lp for e in events for lp in e["logprobs"]]
+            assert [lp["token_id"] for lp in streamed_logprobs] == tokens
+            assert all(len(lp["top_logprobs"]) == 3 for lp in streamed_logprobs)
+            assert [lp["logprob"] for lp in streamed_logprobs] == pytest.approx(
+                [lp["logprob"] for lp in expected[body["id"]]["logprobs"]], abs=1e-5)
     assert streamed["stop"][-1]["finish_reason"] == "stop"
     assert "".join(e["text"] for e in streamed["stop"]) == text_before_stop
 
