@@ -88,16 +88,16 @@ def main() -> None:
         with open(args.write_workload, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in workload)
     results = {}
+    bare_seconds = 0.0
     for policy in ("orca", "request-level"):
         engine = make_engine(args, policy)
         warm_up(engine)
         engine.record_iterations = policy == "orca"
         results[policy] = run_engine(engine, workload, policy)
-        if policy == "orca":
-            recorded, max_model_len = engine.iterations, engine.max_model_len
         print(json.dumps(results[policy]), file=sys.stderr)
+        if policy == "orca":  # replayed right after the run it replays, in the same conditions
+            bare_seconds = bare_loop(args, engine.iterations, engine.max_model_len)
         del engine
-    bare_seconds = bare_loop(args, recorded, max_model_len)
     orca, baseline = results["orca"], results["request-level"]
     summary = {
         "workload": f"{args.num_requests} requests, input U[32,512], output U[1,128], EOS ignored",

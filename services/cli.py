@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(srv, model_required=False)
     add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    from bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub)  # orca bench, orca simulate
     return parser
 
 

@@ -1,0 +1,400 @@
+"""`orca bench` (measure a server or the engine under load) and `orca simulate` (replay the same
+load through the real scheduler with a cost model). Flags follow `vllm bench serve`'s names.
+
+`add_bench_parsers(subparsers)` registers both on the `orca` command; `python -m bench.cli`
+runs them alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import sys
+import uuid
+
+import msgspec
+
+from bench.arrivals import arrival_times, parse_rate, parse_rates
+from bench.datasets import DATASETS, load_dataset, load_trace, parse_range, with_token_ids
+from bench.loadgen import RunResult, drive_stepped, drive_streaming
+from bench.report import (Capacity, capacity_at, capacity_ratio, format_report, orca_counterpart, parse_goodput,
+                          summarize)
+from shared.api import GenerateRequest
+
+TRANSPORTS = ("http", "nats", "inprocess")
+PAPER_TARGET_MS = 190.0
+"""The Orca paper's latency level for its GPT-3 175B comparison (36.9x)."""
+AUTO_TARGET_FACTOR = 3.0
+
+
+# ---- arguments ----------------------------------------------------------------------------
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", default="orca-paper", choices=DATASETS,
+                   help="orca-paper: input U[32,512], output U[1,128], EOS ignored; random: --random-*-len; "
+                        "jsonl: --dataset-path in the `orca generate` input format")
+    g.add_argument("--dataset-path", help="JSONL prompts for --dataset jsonl")
+    g.add_argument("--random-input-len", default="32:512", help="N or LO:HI tokens (uniform) for --dataset random")
+    g.add_argument("--random-output-len", default="1:128", help="N or LO:HI tokens (uniform) for --dataset random")
+    g.add_argument("--vocab-size", type=int, default=4096, help="random prompt token ids are drawn below this")
+    g.add_argument("--num-prompts", type=int, default=200, help="requests per run (per rate, per policy)")
+    g.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals")
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", default="inf", help="requests/s (Poisson), or inf: all at once")
+    a.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the inter-arrival gaps: 1 = Poisson, <1 burstier, >1 smoother")
+    a.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    a.add_argument("--sweep", default=None, help="comma list of request rates, run in increasing order "
+                                                  "(overrides --request-rate), e.g. 0.5,1,2,4,inf")
+    a.add_argument("--policy", nargs="+", default=["orca"],
+                   help="scheduler policies to measure (orca, request-level); for a running server, its label")
+    r = p.add_argument_group("report")
+    r.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:9000")
+    r.add_argument("--latency-target", type=float, default=None,
+                   help="ms/token at which to compare capacities (default: 190 for the GPT-3 model, else "
+                        f"{AUTO_TARGET_FACTOR:g}x the lowest median normalized latency measured)")
+    r.add_argument("--save-result", metavar="FILE.json", help="write config, metrics and capacities as JSON")
+    r.add_argument("--save-detailed", action="store_true", help="also save every request's timings")
+    r.add_argument("--load-result", nargs="+", metavar="FILE.json", default=[],
+                   help="add the runs of earlier --save-result files to the summary and the plot")
+    r.add_argument("--plot", metavar="FILE.png", help="draw median normalized latency vs throughput, per policy")
+    r.add_argument("--label", default=None, help="name this invocation's curves 'POLICY (LABEL)' (to tell them "
+                                                 "from --load-result curves of the same policy)")
+    r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_engine_args(p: argparse.ArgumentParser, kv_default: int | None) -> None:
+    g = p.add_argument_group("engine (in process, launched, or simulated)")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--kv-cache-tokens", type=int, default=kv_default,
+                   help="KV capacity in token slots"
+                   + (" (default: what the cost model says fits)" if kv_default is None else ""))
+    g.add_argument("--block-size", type=int, default=16, help="KV slots per block (1 = Orca's exact slots)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one iteration")
+
+
+def add_bench_parsers(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="load-test orca serve (HTTP or NATS) or the engine in process",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("--transport", choices=TRANSPORTS, default=None,
+                       help="http (default): OpenAI /v1/completions; nats: orca.v1.generate; inprocess: LLMEngine")
+    bench.add_argument("--base-url", default="http://127.0.0.1:8000", help="HTTP gateway URL")
+    bench.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    bench.add_argument("--model", default=None,
+                       help="inprocess/--launch: checkpoint directory (default: the demo model); http: served name")
+    bench.add_argument("--api-key", default=None, help="bearer token for the HTTP gateway")
+    bench.add_argument("--launch", action="store_true",
+                       help="start `orca serve --scheduler POLICY` for each --policy on free ports, then stop it")
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--threads", type=int, default=None,
+                       help="torch threads of the in-process engine (or --worker-threads of a launched serve)")
+    bench.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    add_workload_args(bench)
+    add_engine_args(bench, kv_default=65536)
+    bench.set_defaults(func=cmd_bench)
+
+    sim = subparsers.add_parser("simulate", help="replay a workload through the real scheduler with a cost model",
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--cost-model", default="gpt3-175b-a100-tp8pp2",
+                     choices=("this-machine", "gpt3-175b-a100-tp8pp2"), help="iteration-time model")
+    sim.add_argument("--trace", metavar="FILE", help="JSONL of arrival_s, prompt_len, output_len (replaces the "
+                                                     "dataset and arrival options)")
+    sim.add_argument("--model", default=None, help="tokenizer directory for text prompts of --dataset jsonl")
+    sim.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (GPT-3 model; default 8)")
+    sim.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (GPT-3 model; default 2)")
+    sim.add_argument("--max-model-len", type=int, default=None, help="context length (default: the cost model's)")
+    sim.add_argument("--enable-chunked-prefill", action="store_true")
+    add_workload_args(sim)
+    add_engine_args(sim, kv_default=None)
+    sim.set_defaults(func=cmd_simulate)
+
+
+# ---- workloads --------------------------------------------------------------------------------
+
+def workload(args: argparse.Namespace) -> list[GenerateRequest]:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts={args.num_prompts} must be >= 1")
+    return load_dataset(args.dataset, args.num_prompts, seed=args.seed, vocab_size=args.vocab_size,
+                        path=args.dataset_path, input_range=parse_range(args.random_input_len),
+                        output_range=parse_range(args.random_output_len))
+
+
+def rates_of(args: argparse.Namespace) -> list[float]:
+    return parse_rates(args.sweep) if args.sweep else [parse_rate(args.request_rate)]
+
+
+def tagged(requests: list[GenerateRequest]) -> list[GenerateRequest]:
+    """Fresh ids for one run (unique across runs, valid NATS subject tokens)."""
+    tag = uuid.uuid4().hex[:8]
+    return [msgspec.structs.replace(r, id=f"b{tag}-{i}") for i, r in enumerate(requests)]
+
+
+def run_record(policy: str, rate: float, args: argparse.Namespace, result: RunResult,
+               goodput: dict[str, float], extra: dict | None = None) -> dict:
+    metrics = summarize(result.records, result.duration_s, goodput)
+    title = f"{policy} @ {_rate_text(rate)} req/s"
+    print(format_report(metrics, title, goodput), flush=True)
+    run = {"policy": policy, "label": f"{policy} ({args.label})" if args.label else policy,
+           "request_rate": _rate_text(rate), "burstiness": args.burstiness,
+           "max_concurrency": args.max_concurrency, "num_prompts": len(result.records), "metrics": metrics,
+           **(extra or {})}
+    if args.save_detailed:
+        run["requests"] = [r.to_json(result.t0) for r in result.records]
+    return run
+
+
+def _rate_text(rate: float | None) -> str:
+    if rate is None:
+        return "trace"
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+# ---- orca bench ----------------------------------------------------------------------------
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.transport is None and args.load_result and not args.sweep:
+        return finish(args, [], "orca bench")  # re-summarize / re-plot saved results only
+    transport = args.transport or "http"
+    if transport != "inprocess" and len(args.policy) > 1 and not args.launch:
+        raise ValueError("a running server has one policy: give one --policy label per run (merge runs with "
+                         "--load-result), or --launch to start `orca serve` once per policy")
+    requests, rates, goodput = workload(args), rates_of(args), parse_goodput(args.goodput)
+    runs = []
+    for policy in args.policy:
+        if transport == "inprocess":
+            runs += bench_inprocess(args, policy, requests, rates, goodput)
+        elif args.launch:
+            from bench.targets import launch_serve
+
+            with launch_serve(policy, engine_options(args)) as (http_url, nats_url):
+                args.base_url, args.nats_url = http_url, nats_url
+                runs += asyncio.run(bench_streaming(args, transport, policy, requests, rates, goodput))
+        else:
+            runs += asyncio.run(bench_streaming(args, transport, policy, requests, rates, goodput))
+    return finish(args, runs, "orca bench")
+
+
+def engine_options(args: argparse.Namespace):
+    from bench.targets import EngineOptions
+
+    return EngineOptions(model=args.model, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
+                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                         dtype=args.dtype, device=args.device, threads=args.threads)
+
+
+def bench_inprocess(args, policy, requests, rates, goodput) -> list[dict]:
+    """A fresh engine for every rate, so no run inherits another's state (KV layout, allocator)."""
+    from bench.targets import make_inprocess_target
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    runs = []
+    for rate in rates:
+        target = make_inprocess_target(engine_options(args), policy)
+        target.warm_up()
+        arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+        result = drive_stepped(target, tagged(requests), arrivals, max_concurrency=args.max_concurrency,
+                               desc=f"{policy} @ {_rate_text(rate)} req/s", progress=not args.disable_tqdm)
+        runs.append(run_record(policy, rate, args, result, goodput,
+                               {"transport": "inprocess", "model": target.engine.config.model.model}))
+        del target
+    return runs
+
+
+async def bench_streaming(args, transport, policy, requests, rates, goodput) -> list[dict]:
+    from bench.targets import HttpTarget, NatsTarget, warm_up_streaming
+
+    served_name = None if args.launch else args.model  # a launched server serves --model under its own name
+    target = NatsTarget(args.nats_url) if transport == "nats" else HttpTarget(args.base_url, served_name, args.api_key)
+    runs = []
+    async with target:
+        warm = GenerateRequest(id=f"bwarm{uuid.uuid4().hex[:8]}", prompt_token_ids=list(range(10, 74)), max_tokens=4,
+                               temperature=0.0, ignore_eos=True)
+        await warm_up_streaming(target, warm)
+        for rate in rates:
+            arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+            result = await drive_streaming(target, tagged(requests), arrivals, max_concurrency=args.max_concurrency,
+                                           timeout_s=args.request_timeout, desc=f"{policy} @ {_rate_text(rate)} req/s",
+                                           progress=not args.disable_tqdm)
+            runs.append(run_record(policy, rate, args, result, goodput, {"transport": transport, "model": args.model}))
+    return runs
+
+
+# ---- orca simulate ----------------------------------------------------------------------
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from bench.cost_models import make_cost_model
+    from bench.simulator import SimConfig, simulate
+
+    cost_model = make_cost_model(args.cost_model, tp=args.tp, pp=args.pp)
+    if args.trace:
+        requests, trace_arrivals = load_trace(args.trace, vocab_size=args.vocab_size, seed=args.seed)
+        rates = [None]
+    else:
+        requests, trace_arrivals, rates = with_token_ids(workload(args), args.model), None, rates_of(args)
+    goodput, runs = parse_goodput(args.goodput), []
+    for policy in args.policy:
+        config = SimConfig(policy=policy, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
+                           block_size=args.block_size, max_model_len=args.max_model_len,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           enable_chunked_prefill=args.enable_chunked_prefill)
+        for rate in rates:
+            arrivals = trace_arrivals or arrival_times(len(requests), rate, args.burstiness, args.seed)
+            result = simulate(requests, arrivals, config, cost_model, max_concurrency=args.max_concurrency,
+                              progress=not args.disable_tqdm, desc=f"simulating {policy} @ {_rate_text(rate)} req/s")
+            runs.append(run_record(policy, rate, args, result, goodput, {"cost_model": args.cost_model}))
+    return finish(args, runs, "orca simulate")
+
+
+# ---- summary, capacity, save, plot ------------------------------------------------------------
+
+def finish(args: argparse.Namespace, runs: list[dict], kind: str) -> int:
+    for path in args.load_result:
+        with open(path, encoding="utf-8") as f:
+            runs = json.load(f)["runs"] + runs
+    if not runs:
+        raise ValueError("nothing measured and nothing loaded")
+    curves, rates = sweep_curves(runs)
+    policies = {_label(run): run["policy"] for run in runs}
+    target, how = latency_target(args, runs)
+    capacities = {policy: capacity_at(points, target) for policy, points in curves.items()}
+    print(sweep_table(runs))
+    ratio_lines = report_capacities(capacities, policies, target, how)
+    if args.save_result:
+        save(args, kind, runs, target, capacities, ratio_lines)
+    if args.plot:
+        from bench.plot import plot_curves
+
+        title, subtitle = plot_titles(args, runs)
+        plot_curves(curves, args.plot, target_ms=target, capacities=capacities, title=title, subtitle=subtitle,
+                    rate_labels=rates, policies=policies)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _label(run: dict) -> str:
+    return run.get("label") or run["policy"]
+
+
+def _rate_key(run: dict) -> float:
+    rate = run["request_rate"]
+    return {"inf": math.inf, "trace": 0.0}.get(rate) if rate in ("inf", "trace") else float(rate)
+
+
+def sweep_curves(runs: list[dict]) -> tuple[dict[str, list[tuple[float, float]]], dict[str, list[str]]]:
+    """Policy -> (throughput, median normalized latency) in order of increasing offered rate,
+    and policy -> those points' offered rates."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    rates: dict[str, list[str]] = {}
+    order = {"orca": 0, "request-level": 1}
+    for run in sorted(runs, key=lambda r: (order.get(_label(r), 2), _label(r), _rate_key(r))):
+        m = run["metrics"]
+        if m["completed"]:
+            curves.setdefault(_label(run), []).append((m["request_throughput"], m["median_norm_latency_ms"]))
+            rates.setdefault(_label(run), []).append(run["request_rate"])
+    return curves, rates
+
+
+def latency_target(args: argparse.Namespace, runs: list[dict]) -> tuple[float, str]:
+    """The target in ms/token, and where it comes from."""
+    if args.latency_target is not None:
+        return args.latency_target, ""
+    if getattr(args, "cost_model", None) == "gpt3-175b-a100-tp8pp2":
+        return PAPER_TARGET_MS, "the Orca paper's"
+    lowest = min(r["metrics"]["median_norm_latency_ms"] for r in runs if r["metrics"]["completed"])
+    return round(AUTO_TARGET_FACTOR * lowest, 1), f"auto: {AUTO_TARGET_FACTOR:g}x the lowest median measured"
+
+
+def sweep_table(runs: list[dict]) -> str:
+    width = max(15, *(len(_label(r)) + 2 for r in runs))
+    head = (f"{'policy':<{width}}{'rate':>7}{'done':>6}{'fail':>5}{'req/s':>9}{'tok/s':>9}{'TTFT':>9}{'TPOT':>8}"
+            f"{'e2e':>9}{'norm lat':>10}{'p99 norm':>10}")
+    lines = ["", "sweep summary (medians in ms; norm lat = e2e / output tokens, ms/token)", head, "-" * len(head)]
+    for run in sorted(runs, key=lambda r: (_label(r), _rate_key(r))):
+        m = run["metrics"]
+        lines.append(f"{_label(run):<{width}}{run['request_rate']:>7}{m['completed']:>6.0f}{m['failed']:>5.0f}"
+                     f"{m['request_throughput']:>9.3f}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>9.1f}"
+                     f"{m['median_tpot_ms']:>8.1f}{m['median_e2el_ms']:>9.0f}{m['median_norm_latency_ms']:>10.1f}"
+                     f"{m['p99_norm_latency_ms']:>10.1f}")
+    return "\n".join(lines)
+
+
+def report_capacities(capacities: dict[str, Capacity], policies: dict[str, str], target: float,
+                      how: str) -> list[str]:
+    """Print each curve's capacity, and each non-orca curve's ratio to its orca counterpart."""
+    at = f"{target:g} ms/token{f' ({how})' if how else ''}"
+    print(f"\ncapacity at {at} (highest throughput whose median normalized latency stays under it):")
+    width = max(len(label) for label in capacities) + 2
+    for label, cap in capacities.items():
+        print(f"  {label:<{width}} {cap.describe()}")
+    lines = []
+    for label in capacities:
+        orca = orca_counterpart(label, policies.get(label, label), capacities)
+        if orca is None:
+            continue
+        ratio, bound = capacity_ratio(capacities[orca], capacities[label])
+        sign = {"=": "", ">=": ">= ", "<=": "<= ", "?": "~"}[bound]
+        lines.append(f"capacity ratio {orca} / {label} at {at}: {sign}{ratio:.2f}x")
+        print(lines[-1] + (" (a curve never crossed the target: widen --sweep for an exact ratio)" if sign else ""))
+    return lines
+
+
+def save(args, kind, runs, target, capacities, ratio_lines) -> None:
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "load_result") and not callable(v)}
+    body = {"kind": kind, "date": datetime.datetime.now().isoformat(timespec="seconds"), "config": config,
+            "latency_target_ms": target,
+            "capacity": {label: {"req_s": c.req_s, "kind": c.kind} for label, c in capacities.items()},
+            "capacity_ratios": ratio_lines, "runs": runs}
+    with open(args.save_result, "w", encoding="utf-8") as f:
+        json.dump(body, f, indent=1)
+    print(f"saved: {args.save_result}")
+
+
+def plot_titles(args: argparse.Namespace, runs: list[dict]) -> tuple[str, str]:
+    simulated = [r["cost_model"] for r in runs if r.get("cost_model")]
+    measured = [r for r in runs if not r.get("cost_model")]
+    where = {"gpt3-175b-a100-tp8pp2": "GPT-3 175B on 16x A100-40GB, TP8 x PP2 (cost model)",
+             "this-machine": "tiny demo model on this CPU (fitted cost model)"}
+    if measured:
+        transport = {"inprocess": "engine in process", "nats": "orca serve over NATS",
+                     "http": "orca serve over HTTP"}.get(measured[-1].get("transport"), "saved runs")
+        model = measured[-1].get("model") or getattr(args, "model", None)
+        model = os.path.basename(os.path.normpath(model)) if model else "demo model"
+        title = f"orca bench: {model}, {transport}"
+        if simulated:
+            title = f"Measured vs simulated: {model}, {transport}"
+    else:
+        title = f"Simulated: {where.get(simulated[-1], simulated[-1])}"
+    if getattr(args, "trace", None):
+        shape = f"trace {args.trace}"
+    elif args.dataset == "orca-paper":
+        shape = "orca-paper workload: input U[32,512], output U[1,128], EOS ignored"
+    else:
+        shape = f"{args.dataset} workload"
+    arrivals = "Poisson" if args.burstiness == 1 else f"gamma arrivals (burstiness {args.burstiness:g})"
+    counts = sorted({r["num_prompts"] for r in runs})
+    return title, f"{shape}; {arrivals}; {'/'.join(map(str, counts))} requests per point"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="orca", description=__doc__)
+    add_bench_parsers(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"orca: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

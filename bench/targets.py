@@ -1,0 +1,281 @@
+"""What `orca bench` drives: a running `orca serve` over NATS or HTTP, or the engine in process.
+
+- `NatsTarget`: publishes each request (JSON `GenerateRequest`) to `orca.v1.generate` with its
+  own reply subject and records the `GenerateEvent`s that stream back.
+- `HttpTarget`: POSTs OpenAI streaming completions (`/v1/completions`, `stream: true`) and
+  reads the server-sent events.
+- `InProcessTarget`: an `engine.llm_engine.LLMEngine`, stepped by the load generator.
+- `launch_serve`: starts `orca serve --scheduler POLICY` on free ports and stops it afterwards,
+  so one `orca bench` invocation can measure several policies of a real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import msgspec
+
+from bench.loadgen import StepEvent
+from bench.report import RequestRecord
+from shared import subjects
+from shared.api import GenerateEvent, GenerateRequest, encode_json
+from shared.outputs import FinishReason
+from shared.sampling import SamplingParams
+
+_event_decoder = msgspec.json.Decoder(GenerateEvent)
+
+
+class NatsTarget:
+    """Streams over core NATS; one connection and one wildcard subscription for the whole run."""
+
+    def __init__(self, nats_url: str) -> None:
+        self.nats_url = nats_url
+        self._nc = None
+        self._inbox = ""
+        self._open: dict[str, tuple[RequestRecord, asyncio.Future]] = {}
+
+    async def __aenter__(self) -> NatsTarget:
+        import nats
+
+        self._nc = await nats.connect(self.nats_url, name="orca-bench", pending_size=256 * 1024 * 1024)
+        self._inbox = self._nc.new_inbox()
+        await self._nc.subscribe(self._inbox + ".*", cb=self._on_event)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._nc is not None:
+            await self._nc.drain()
+
+    async def _on_event(self, msg) -> None:
+        now = time.perf_counter()
+        entry = self._open.get(msg.subject.rsplit(".", 1)[-1])
+        if entry is None:
+            return
+        record, done = entry
+        event = _event_decoder.decode(msg.data)
+        record.add_chunk(now, len(event.token_ids))
+        if event.finish_reason is None:
+            return
+        if event.usage is not None:
+            record.prompt_len = event.usage.prompt_tokens
+        error = None if event.finish_reason in ("stop", "length") else f"{event.finish_reason}: {event.error or ''}"
+        record.finish(now, error)
+        if not done.done():
+            done.set_result(None)
+
+    async def generate(self, request: GenerateRequest, record: RequestRecord) -> None:
+        done = asyncio.get_running_loop().create_future()
+        self._open[request.id] = (record, done)
+        try:
+            await self._nc.publish(subjects.GENERATE, encode_json(request), reply=f"{self._inbox}.{request.id}")
+            await done
+        except asyncio.CancelledError:  # timed out: free the server's slot too
+            await self._nc.publish(subjects.ABORT, json.dumps({"id": request.id}).encode())
+            raise
+        finally:
+            del self._open[request.id]
+
+
+class HttpTarget:
+    """OpenAI-compatible streaming completions, as `vllm bench serve --backend openai` sends them."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 transport=None) -> None:
+        self.url = base_url.rstrip("/") + "/v1/completions"
+        self.model = model
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._transport = transport
+        """An httpx transport to use instead of the network (tests)."""
+        self._client = None
+
+    async def __aenter__(self) -> HttpTarget:
+        import httpx
+
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30.0), transport=self._transport,
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    def payload(self, request: GenerateRequest) -> dict:
+        if request.messages is not None:
+            raise ValueError("chat requests are not supported by the completions endpoint")
+        body = {"prompt": request.prompt_token_ids if request.prompt_token_ids is not None else request.prompt,
+                "max_tokens": request.max_tokens, "temperature": request.temperature, "top_p": request.top_p,
+                "ignore_eos": request.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.stop:
+            body["stop"] = request.stop
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def generate(self, request: GenerateRequest, record: RequestRecord) -> None:
+        usage = None
+        finish_reason = None
+        async with self._client.stream("POST", self.url, json=self.payload(request), headers=self.headers) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode(errors="replace")[:300]
+                record.finish(time.perf_counter(), f"HTTP {resp.status_code}: {body}")
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if "error" in chunk:
+                    record.finish(now, f"error event: {chunk['error']}")
+                    return
+                for choice in chunk.get("choices") or ():
+                    if choice.get("text"):
+                        record.add_chunk(now, 1)
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                usage = chunk.get("usage") or usage
+        if usage:
+            record.prompt_len = usage.get("prompt_tokens", record.prompt_len)
+            record.output_tokens = usage.get("completion_tokens", record.output_tokens)
+        error = None if finish_reason in ("stop", "length") else f"finish_reason={finish_reason}"
+        record.finish(time.perf_counter(), error)
+
+
+class InProcessTarget:
+    """The in-process engine as a stepped target: no NATS, no Ray."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def add(self, request: GenerateRequest) -> int:
+        prompt_ids = self.engine.prompt_ids(request)
+        self.engine.add_request(request.id, prompt_ids, request.sampling_params())
+        return len(prompt_ids)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished
+
+    def step(self) -> list[StepEvent]:
+        events = []
+        for delta in self.engine.step():
+            reason = delta.completion.finish_reason
+            error = None
+            if reason is not None and reason not in (FinishReason.STOP, FinishReason.LENGTH):
+                error = f"{reason.label}: {delta.completion.error or ''}"
+            events.append(StepEvent(delta.completion.request_id, len(delta.new_token_ids), reason is not None, error))
+        return events
+
+    def warm_up(self) -> None:
+        """One short request, untimed: the first forward passes pay one-off costs."""
+        self.engine.add_request("orca-bench-warmup", list(range(10, 74)),
+                                SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        while self.engine.has_unfinished:
+            self.engine.step()
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine flags `orca bench` passes to the in-process engine or to a launched `orca serve`."""
+
+    model: str | None = None
+    max_num_seqs: int = 128
+    kv_cache_tokens: int = 65536
+    block_size: int = 16
+    max_num_batched_tokens: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int | None = None
+    """Torch threads per worker of a launched server (the in-process engine sets its own)."""
+
+    def engine_config(self, policy: str):
+        from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+        return EngineConfig(
+            model=ModelConfig(model=self.resolved_model(), dtype=self.dtype, device=self.device),
+            scheduler=SchedulerConfig(policy=policy, max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens),
+            cache=CacheConfig(kv_cache_tokens=self.kv_cache_tokens, block_size=self.block_size),
+        )
+
+    def resolved_model(self) -> str:
+        """--model, or the demo model `orca serve` uses (made on first use)."""
+        if self.model:
+            return os.path.expanduser(self.model)
+        from services.serve import ensure_demo_model
+
+        return ensure_demo_model()
+
+    def serve_flags(self) -> list[str]:
+        flags = ["--max-num-seqs", str(self.max_num_seqs), "--kv-cache-tokens", str(self.kv_cache_tokens),
+                 "--block-size", str(self.block_size), "--dtype", self.dtype, "--device", self.device]
+        if self.model:
+            flags += ["--model", self.model]
+        if self.max_num_batched_tokens:
+            flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.threads:
+            flags += ["--worker-threads", str(self.threads)]
+        return flags
+
+
+def make_inprocess_target(options: EngineOptions, policy: str) -> InProcessTarget:
+    from engine.llm_engine import LLMEngine
+
+    return InProcessTarget(LLMEngine(options.engine_config(policy)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def launch_serve(policy: str, options: EngineOptions, timeout_s: float = 600.0) -> Iterator[tuple[str, str]]:
+    """Run `orca serve --scheduler POLICY` (its own NATS and Ray); yield (http_url, nats_url)."""
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--scheduler", policy, "--port", str(_free_port()),
+           *options.serve_flags()]
+    print(f"launching: {' '.join(cmd[1:])}", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (up := next((line for line in lines if "orca-serve is up" in line), None)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("orca serve did not start:\n" + "".join(lines[-30:]))
+            time.sleep(0.2)
+        http_url = re.search(r"HTTP (http://\S+?),", up).group(1)
+        nats_url = re.search(r"nats://[\w.\-]+:\d+", up).group(0)
+        yield http_url, nats_url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def warm_up_streaming(target, request: GenerateRequest) -> None:
+    """One short request through a server before timing (its first passes pay one-off costs)."""
+    record = RequestRecord("warmup", time.perf_counter())
+    await asyncio.wait_for(target.generate(request, record), 300)
+    if record.error:
+        raise RuntimeError(f"warm-up request failed: {record.error}")
