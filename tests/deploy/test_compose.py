@@ -186,3 +186,10 @@ def test_gateway_service_answers_http(nats_server, demo_model):
         assert body["object"] == "list" and body["data"]
     finally:
         service.stop()
+
+
+@pytest.mark.parametrize("dockerfile", ["deploy/docker/Dockerfile", "deploy/docker/Dockerfile.cuda"])
+def test_dockerfiles_pass_hadolint(dockerfile):
+    tool = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    result = subprocess.run([tool, str(ROOT / dockerfile)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
