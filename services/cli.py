@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from shared.config import (DTYPES, KERNEL_BACKENDS, SCHEDULER_POLICIES, CacheConfig, EngineConfig, ModelConfig,
-                           SchedulerConfig)
+                           ParallelConfig, SchedulerConfig)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -27,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
                    help="auto: Triton kernels on CUDA, torch on CPU")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="workers per pipeline stage")
+    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="pipeline stages (as many batches in flight)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -39,6 +42,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   enable_chunked_prefill=args.enable_chunked_prefill),
         cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                pipeline_parallel_size=args.pipeline_parallel_size),
     )
 
 

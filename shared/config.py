@@ -80,7 +80,25 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"device {self.device!r} must be 'cpu' or 'cuda[:N]'")
 
 
+class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    tensor_parallel_size: int = 1
+    """Workers per pipeline stage; each holds 1/N of every layer's heads and MLP columns."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages; each holds a contiguous slice of the layers and their KV cache. The engine
+    keeps this many batches in flight, each with different requests (Orca's schedule)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} and pipeline_parallel_size="
+                             f"{self.pipeline_parallel_size} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
+    parallel: ParallelConfig = ParallelConfig()
