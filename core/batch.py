@@ -6,7 +6,7 @@ Batch data flow, where it starts and who owns each stage:
    each computes (a whole prompt, a prefill chunk, or one decode token) and which KV
    blocks each may write. It is plain data, so it can travel to workers as one message.
 2. The model runner (worker) keeps per-request token lists and block tables, updated from
-   `new_requests` and `new_block_ids`; it concatenates all scheduled tokens into one
+   `new_requests`, `new_token_ids` and `new_block_ids`; it concatenates all scheduled tokens into one
    `(sum L_i,)` batch (selective batching), runs the model, and samples one token for each
    request whose scheduled tokens reach the end of what it knows (`samples`).
 3. It answers with a `RunnerOutput` (sampled token and logprobs per request).
@@ -43,6 +43,10 @@ class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     in `new_requests` they are already in its `block_ids`)."""
     samples: bool
     """True when this iteration reaches the request's last known token, so one is sampled."""
+    new_token_ids: list[int] = []
+    """Tokens generated since the runner last heard of this request (its inputs this iteration).
+    Sampled tokens always come back through the scheduler, so every pipeline stage learns them
+    the same way, not only the last stage that sampled them."""
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):

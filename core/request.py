@@ -30,6 +30,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (the prompt, then each fed-back output token)."""
+    num_tokens_sent: int = 0
+    """Tokens the runner has been told of (in NewRequestData or ScheduledRequest.new_token_ids)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
 

@@ -11,6 +11,11 @@ request that does not fit: no skipping, no starvation within a priority. How muc
 request needs is the policy's call (Orca reserves prompt + max_tokens up front; paged grows
 on demand and preempts the lowest-priority, latest-admitted running request when blocks run
 out). No new request is admitted in an iteration that had to preempt.
+
+Several iterations may be in flight at once (pipeline parallelism: one per stage). A request
+scheduled in an iteration whose `update` has not come back is in flight: it is left out of
+later iterations until then, so it is never in two batches at once (Orca's rule), and it is
+never chosen as a preemption victim.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Scheduler:
         self._admissions = 0
         self._finished_since_schedule: list[str] = []
         self._seen_by_runner: set[str] = set()
+        self._in_flight: set[str] = set()
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -99,6 +105,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in iterations scheduled but not yet updated."""
+        return len(self._in_flight)
+
     # ---- the two verbs --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -132,6 +143,7 @@ class Scheduler:
             preempted_request_ids=preempted,
         )
         self._finished_since_schedule = []
+        self._in_flight.update(s.request_id for s in scheduled)
         self._iteration += 1
         self._check_invariants(output)
         return output
@@ -139,6 +151,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         events: list[RequestOutput] = []
         for item in output.scheduled:
+            self._in_flight.discard(item.request_id)
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # ended (or preempted) while the iteration ran
@@ -203,6 +216,7 @@ class Scheduler:
         """The workers lost every request's KV (one died): all running requests go back to the
         waiting queue with their generated tokens, to resume by recompute."""
         victims = list(self.running)
+        self._in_flight.clear()  # the iterations in flight are lost with the KV
         for request in victims:
             self._preempt(request)
         return [r.request_id for r in victims]
@@ -223,6 +237,8 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for request in self.running:
+            if request.request_id in self._in_flight:
+                continue
             is_decode = request.num_computed_tokens >= request.num_tokens - 1 and request.output_token_ids
             (decodes if is_decode else prefills).append(request)
         return decodes + prefills
@@ -234,8 +250,13 @@ class Scheduler:
         return budget if self.enable_chunked_prefill else 0
 
     def _scheduled(self, request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
+        new_token_ids: list[int] = []
+        if request.request_id in self._seen_by_runner:  # otherwise NewRequestData carries every token
+            new_token_ids = request.output_token_ids[request.num_tokens_sent - request.num_prompt_tokens:]
+            request.num_tokens_sent = request.num_tokens
         return ScheduledRequest(request.request_id, request.num_computed_tokens, num_new, new_blocks,
-                                samples=request.num_computed_tokens + num_new == request.num_tokens)
+                                samples=request.num_computed_tokens + num_new == request.num_tokens,
+                                new_token_ids=new_token_ids)
 
     def _new_request_data(self, scheduled: list[ScheduledRequest]) -> list[NewRequestData]:
         new: list[NewRequestData] = []
@@ -244,6 +265,7 @@ class Scheduler:
                 continue
             self._seen_by_runner.add(item.request_id)
             request = self.requests[item.request_id]
+            request.num_tokens_sent = request.num_tokens
             new.append(NewRequestData(request.request_id, self._all_tokens(request), request.num_prompt_tokens,
                                       request.params, self.kv_cache.block_ids(request.request_id).copy()))
         return new
@@ -277,6 +299,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self._in_flight.discard(request.request_id)
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_since_schedule.append(request.request_id)

@@ -66,8 +66,6 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
         states = [self.requests[r] for r in batch.sampled_request_ids]
         tokens, logprobs = sample(logits, [s.sampling for s in states], self.generator)
-        for state, token in zip(states, tokens):
-            state.token_ids.append(token)
         return RunnerOutput(
             sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
             logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},
@@ -82,7 +80,9 @@ class ModelRunner:
             new_ids.add(new.request_id)
         for item in scheduler_output.scheduled:
             if item.request_id not in new_ids:
-                self.requests[item.request_id].block_ids.extend(item.new_block_ids)
+                state = self.requests[item.request_id]
+                state.token_ids.extend(item.new_token_ids)
+                state.block_ids.extend(item.new_block_ids)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         generator = None

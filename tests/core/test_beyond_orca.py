@@ -69,6 +69,7 @@ def test_shared_prefix_is_computed_once():
     second = next(x for x in out.scheduled if x.request_id == "second")
     assert second.num_computed_tokens == 12 and second.num_new_tokens == 1
     assert s.kv_cache.block_ids("second")[:3] == s.kv_cache.block_ids("first")[:3]
+    s.update(out, fake_step(out))
     run_to_end(s)
     s.kv_cache.check()
     assert s.kv_cache.num_used_blocks == 0

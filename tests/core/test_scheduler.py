@@ -66,6 +66,7 @@ def test_fcfs_admission_stops_at_the_first_request_that_does_not_fit():
     s.add_request(make_request("small", 1, 1))  # 2 slots would fit, but must not skip ahead
     out = s.schedule()
     assert scheduled_tokens(out) == {"a": 5}
+    s.update(out, fake_step(out))
     run_to_end(s)
 
 
