@@ -23,6 +23,9 @@ class TokenizedRequest(msgspec.Struct, frozen=True):
     arrival_time: float
     """Unix time the system accepted the request."""
     priority: int = 0
+    trace_context: str | None = None
+    """W3C traceparent of the request's span: admission and engines parent or link their spans to it
+    (an Admit carries many requests, so NATS headers cannot carry it)."""
 
 
 class Admit(msgspec.Struct, frozen=True):
@@ -92,3 +95,63 @@ class AdmissionStatus(msgspec.Struct, frozen=True):
     @property
     def full(self) -> bool:
         return self.queue_len >= self.max_queue_len
+
+
+# ---- metric snapshots: every service -> subjects.METRICS -> gateways (summed per source) ----------
+
+class HistogramData(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Cumulative counts per bucket (the bounds are constants in `shared.telemetry`; the last
+    bucket is +Inf) and the sum of observed values."""
+
+    counts: list[int]
+    sum: float
+
+
+class TokenizerMetrics(msgspec.Struct, frozen=True, tag="tokenizer"):
+    """Per request, measured where requests arrive and end (the tokenizer sees both)."""
+
+    source: str
+    """One id per process start."""
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict[FinishReason, int]
+    time_to_first_token: HistogramData
+    inter_token_latency: HistogramData
+    e2e_request_latency: HistogramData
+    num_active: int
+    """Requests this instance accepted that have not ended."""
+
+
+class AdmissionMetrics(msgspec.Struct, frozen=True, tag="admission"):
+    source: str
+    queue_len: int
+    max_queue_len: int
+    admitted: int
+    rejected_queue_full: int
+    rejected_unservable: int
+
+
+class EngineMetrics(msgspec.Struct, frozen=True, tag="engine"):
+    """One engine replica's iteration loop. Counters are cumulative since the process started."""
+
+    source: str
+    replica: str
+    policy: str
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    num_blocks: int
+    block_size: int
+    kv_used_blocks: int
+    kv_reserved_slots: int
+    """Slots in blocks held by running requests (Orca reserves prompt + max_tokens up front)."""
+    kv_used_slots: int
+    """Slots holding computed tokens; reserved minus used is the reservation's waste."""
+    num_preemptions: int
+    iterations: int
+    request_queue_time: HistogramData
+    iteration_tokens: HistogramData
+    batch_size: HistogramData
+
+
+MetricsSnapshot = TokenizerMetrics | AdmissionMetrics | EngineMetrics

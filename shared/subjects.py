@@ -21,6 +21,7 @@ JOBS_CONSUMER = "orca-jobs"
 ADMISSION_SUBMIT = f"{PREFIX}.admission.submit"  # tokenizer -> admission: TokenizedRequest
 ENGINE_STATUS = f"{PREFIX}.engine.status"  # engine master -> admission: EngineStatus
 ADMISSION_STATUS = f"{PREFIX}.admission.status"  # admission -> gateways: AdmissionStatus
+METRICS = f"{PREFIX}.metrics"  # every service -> gateways: MetricsSnapshot, once a second
 CANCEL = f"{PREFIX}.cancel"  # -> admission + engines: Cancel (abort, or a stop string matched)
 TOKENIZER_QUEUE = "tokenizer"
 JOBS_QUEUE = "jobs"

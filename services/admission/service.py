@@ -14,11 +14,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.admission import AdmissionQueue, QueueFull
+from services.admission.telemetry import AdmissionTelemetry
 from shared import subjects
 from shared.api import decode_abort
 from shared.codec import Codec
 from shared.messages import Admit, AdmissionStatus, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
+from shared.telemetry import SnapshotPublisher
 
 log = logging.getLogger("orca.admission")
 request_codec = Codec(TokenizedRequest)
@@ -30,16 +32,20 @@ class AdmissionService:
         self.nc = nc
         self.queue = AdmissionQueue(max_queue_len)
         self._last_status: AdmissionStatus | None = None
+        self.telemetry = AdmissionTelemetry(self.queue)
+        self.metrics = SnapshotPublisher(nc, self.telemetry.snapshot)
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.ADMISSION_SUBMIT, cb=self.on_submit)
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
         self._heartbeat = asyncio.create_task(self._publish_periodically())
+        self.metrics.start()
 
     async def stop(self) -> None:
         self._heartbeat.cancel()
         await asyncio.gather(self._heartbeat, return_exceptions=True)
+        await self.metrics.stop()
 
     async def _publish_periodically(self, every_s: float = 1.0) -> None:
         """Also without changes, so a gateway that starts later learns the state within a second."""
@@ -50,12 +56,14 @@ class AdmissionService:
 
     async def on_submit(self, msg: Msg) -> None:
         request = request_codec.decode(msg.data)
+        self.telemetry.on_submit(request)
         reason = self.queue.unservable(request)
         try:
             if reason is not None:
                 raise ValueError(reason)
             self.queue.submit(request)
         except (ValueError, QueueFull) as exc:
+            self.telemetry.on_rejected(exc)
             await self._end(request, FinishReason.ERROR, str(exc))
             return
         await self._admit()
@@ -79,6 +87,7 @@ class AdmissionService:
 
     async def _admit(self) -> None:
         for replica, sequence, requests in self.queue.decide():
+            self.telemetry.on_admitted(replica, requests)
             await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
         await self.publish_status()
 
@@ -90,5 +99,6 @@ class AdmissionService:
             await self.nc.publish(subjects.ADMISSION_STATUS, Codec.encode(status))
 
     async def _end(self, request: TokenizedRequest, reason: FinishReason, error: str | None = None) -> None:
+        self.telemetry.on_ended(request, reason, error)
         outputs = IterationOutputs([RequestOutput(request.request_id, finish_reason=reason, error=error)])
         await self.nc.publish(subjects.detok(request.tokenizer_instance), Codec.encode(outputs))

@@ -28,6 +28,8 @@ from services.gateway.errors import APIError, error_body
 from services.gateway.metrics import render_metrics
 from services.gateway.middleware import CountResponses, LimitBody, RequireBearer
 from services.gateway.state import GatewaySettings, GatewayState
+from services.gateway.tracing import TraceRequests
+from shared.telemetry import setup_tracing
 
 log = logging.getLogger("orca.gateway")
 
@@ -56,6 +58,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(LimitBody, limit=settings.max_body_bytes)
     app.add_middleware(RequireBearer, api_key=settings.api_key)
     app.add_middleware(CountResponses, counts=counts)
+    if setup_tracing("gateway"):
+        app.add_middleware(TraceRequests)
     return app
 
 

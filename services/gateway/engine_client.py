@@ -17,10 +17,12 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.gateway.metrics import MetricsBoard
 from shared import subjects
 from shared.api import AbortRequest, GenerateEvent, GenerateRequest, encode_json
 from shared.codec import Codec
 from shared.messages import AdmissionStatus, EngineStatus
+from shared.telemetry import trace_headers
 
 log = logging.getLogger("orca.gateway")
 admission_codec = Codec(AdmissionStatus)
@@ -139,6 +141,7 @@ class EngineClient:
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.status = StatusBoard()
+        self.metrics = MetricsBoard()
         self.inbox = nc.new_inbox()
         self.routes: dict[str, tuple[Generation, int]] = {}
         self.by_public_id: dict[str, Generation] = {}
@@ -147,6 +150,7 @@ class EngineClient:
     async def start(self) -> None:
         await self.nc.subscribe(subjects.ADMISSION_STATUS, cb=self._on_admission)
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self._on_engine)
+        await self.nc.subscribe(subjects.METRICS, cb=self.metrics.on_message)
         await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_event)
 
     async def wait_for_status(self, timeout_s: float) -> bool:
@@ -160,8 +164,10 @@ class EngineClient:
         for index, request in enumerate(requests):
             self.routes[request.id] = (generation, index)
         self.by_public_id[public_id] = generation
+        headers = trace_headers()  # the current HTTP span's traceparent: one trace through every service
         for request in requests:
-            await self.nc.publish(subjects.GENERATE, encode_json(request), reply=f"{self.inbox}.{request.id}")
+            await self.nc.publish(subjects.GENERATE, encode_json(request), reply=f"{self.inbox}.{request.id}",
+                                  headers=headers)
         return generation
 
     def forget(self, generation: Generation) -> None:

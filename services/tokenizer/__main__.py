@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 
 from engine.tokenizer import load_tokenizer
 from model.arch import load_arch_config
@@ -19,7 +20,7 @@ async def main(args: argparse.Namespace) -> None:
     vocab_size = load_arch_config(args.model).vocab_size
 
     async def start(nc) -> None:
-        await TokenizerService(nc, tokenizer, vocab_size).start()
+        await TokenizerService(nc, tokenizer, vocab_size, model_name=Path(args.model).name).start()
 
     await run_service("orca-tokenizer", args.nats_url, start)
 

@@ -20,11 +20,13 @@ from nats.aio.msg import Msg
 
 from core.detokenize import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
+from services.tokenizer.telemetry import RequestTrace, TokenizerTelemetry
 from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json, event_logprobs
 from shared.codec import Codec
 from shared.messages import Cancel, IterationOutputs, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
+from shared.telemetry import SnapshotPublisher
 
 log = logging.getLogger("orca.tokenizer")
 outputs_codec = Codec(IterationOutputs)
@@ -36,36 +38,47 @@ class ActiveRequest:
     detokenizer: IncrementalDetokenizer
     prompt_token_ids: list[int]
     num_generated: int = 0
+    trace: RequestTrace | None = None
 
 
 class TokenizerService:
-    def __init__(self, nc: Client, tokenizer: Tokenizer, vocab_size: int, instance: str | None = None) -> None:
+    def __init__(self, nc: Client, tokenizer: Tokenizer, vocab_size: int, instance: str | None = None,
+                 model_name: str = "orca") -> None:
         self.nc = nc
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.instance = instance or uuid.uuid4().hex[:12]
         self.active: dict[str, ActiveRequest] = {}
+        self.telemetry = TokenizerTelemetry(model_name)
+        self.metrics = SnapshotPublisher(nc, self.telemetry.snapshot)
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.GENERATE, queue=subjects.TOKENIZER_QUEUE, cb=self.on_generate)
         await self.nc.subscribe(subjects.detok(self.instance), cb=self.on_outputs)
+        self.metrics.start()
 
     async def on_generate(self, msg: Msg) -> None:
         if not msg.reply:
             log.warning("generate request without a reply subject dropped")
             return
+        arrival_ns = time.time_ns()
         try:
             request = decode_generate_request(msg.data)
             params = request.sampling_params()
+            tokenize_start_ns = time.time_ns()
             prompt_ids = self.prompt_ids(request)
+            tokenize_ns = (tokenize_start_ns, time.time_ns())
             if request.id in self.active:
                 raise ValueError(f"request id {request.id!r} is already in use")
         except ValueError as exc:
+            self.telemetry.on_reject(_id_of(msg.data), msg.headers, str(exc))
             await self._publish(msg.reply, GenerateEvent(_id_of(msg.data), [], "", "error", error=str(exc)))
             return
+        trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
         self.active[request.id] = ActiveRequest(
-            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids)
-        tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, time.time(), request.priority)
+            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace)
+        tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
+                                     trace_context=self.telemetry.traceparent(trace))
         await self.nc.publish(subjects.ADMISSION_SUBMIT, Codec.encode(tokenized))
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -87,7 +100,9 @@ class TokenizerService:
         if state is None:
             return  # already ended here (e.g. a stop string matched before the engine knew)
         state.num_generated += len(output.new_token_ids)
+        detokenize_start = time.perf_counter()
         text = state.detokenizer.add(output.new_token_ids)
+        self.telemetry.on_output(state.trace, len(output.new_token_ids), time.perf_counter() - detokenize_start)
         reason = output.finish_reason
         if state.detokenizer.stopped and reason is None:
             reason = FinishReason.STOP
@@ -99,6 +114,7 @@ class TokenizerService:
             return
         text += state.detokenizer.flush()
         del self.active[output.request_id]
+        self.telemetry.on_final(state.trace, reason, len(state.prompt_token_ids), state.num_generated, output.error)
         await self._publish(state.reply, GenerateEvent(
             output.request_id, list(output.new_token_ids), text, reason.label, error=output.error,
             usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids,
