@@ -6,15 +6,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import weakref
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client
+
+from shared import env, subjects
 
 log = logging.getLogger("orca.bus")
 
 REQUEST_TIMEOUT_S = 5.0
 MAX_PAYLOAD_HINT = 1024 * 1024  # nats-server's default max_payload
+
+_reconnect_listeners: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def on_reconnect(nc: Client, callback: Callable[[], None]) -> None:
+    """Call `callback` after each reconnect of `nc` (a connection made by `connect`). Core NATS
+    keeps nothing for a subscriber that is away, so messages may have been lost meanwhile. The
+    callback runs inside nats.py's reconnect: it must not block (start a task for real work)."""
+    _reconnect_listeners.setdefault(nc, []).append(callback)
 
 
 async def connect(url: str, name: str) -> Client:
@@ -24,14 +37,47 @@ async def connect(url: str, name: str) -> Client:
     async def on_disconnect() -> None:
         log.warning("%s: disconnected from NATS", name)
 
-    async def on_reconnect() -> None:
+    async def reconnected() -> None:
         log.info("%s: reconnected to NATS", name)
+        for callback in _reconnect_listeners.get(nc, ()):
+            callback()
 
-    return await nats.connect(
+    nc = await nats.connect(
         url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
-        error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
-        pending_size=64 * 1024 * 1024,
+        error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=reconnected,
+        pending_size=64 * 1024 * 1024, **auth_options(url),
     )
+    return nc
+
+
+def auth_options(url: str) -> dict[str, str]:
+    """Credentials from ORCA_NATS_USER / ORCA_NATS_PASSWORD unless the URL carries its own, and
+    the user's own inbox prefix, so replies to a service arrive where only its user may
+    subscribe (deploy/nats/nats.conf)."""
+    parts = urlsplit(url)
+    options: dict[str, str] = {}
+    user = parts.username if parts.password is not None else None  # a lone username is a token
+    credentials = env.nats_credentials()
+    if parts.username is None and credentials is not None:
+        user = credentials[0]
+        options["user"], options["password"] = credentials
+    if user and subjects.is_valid_token(user):
+        options["inbox_prefix"] = f"_INBOX_{user}"
+    return options
+
+
+def redact_url(url: str) -> str:
+    """The URL without its secret (a password, or a token in the user part), for logs."""
+    parts = urlsplit(url)
+    if parts.username is None:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    userinfo = f"{parts.username}:***" if parts.password is not None else "***"
+    netloc = f"{userinfo}@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def stop_event_on_signals() -> asyncio.Event:
@@ -55,7 +101,7 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[C
     cleanup = None
     try:
         cleanup = await start(nc)
-        log.info("%s: ready on %s", name, url)
+        log.info("%s: ready on %s", name, redact_url(url))
         await stop.wait()
     finally:
         if cleanup is not None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from shared import env
 from shared.config import (DTYPES, KERNEL_BACKENDS, SCHEDULER_POLICIES, CacheConfig, EngineConfig, ModelConfig,
                            ParallelConfig, SchedulerConfig)
 
@@ -30,6 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="workers per pipeline stage")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages (as many batches in flight)")
+    env.apply_engine_env(parser)  # ORCA_<FIELD> variables become these flags' defaults (shared/env.py)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

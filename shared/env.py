@@ -1,9 +1,98 @@
-"""The one place that reads environment variables."""
+"""The one place that reads environment variables.
+
+Engine settings: every field of the engine config's sections (`shared/config.py`) can be set as
+`ORCA_<FIELD>` (`ORCA_MAX_NUM_SEQS=64`, `ORCA_ENABLE_PREFIX_CACHING=true`). The table is derived
+from the structs' fields, so a new field gets its variable without an edit here. The variables
+become the defaults of the matching command-line flags (`apply_engine_env`), so an explicit flag
+still wins, and `orca serve`, `python -m services.<name>`, compose and Kubernetes all read the same
+names the same way. The one field whose flag has another name is `SchedulerConfig.policy`: the flag
+is vLLM's `--scheduler`, and so the variable is `ORCA_SCHEDULER`.
+
+Service settings (NATS address and credentials, API key, ...) are the functions below,
+listed with their meaning in `SERVICE_ENV_VARS`.
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+PREFIX = "ORCA_"
+ENGINE_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "parallel": ParallelConfig,
+}
+FLAG_DESTS = {"policy": "scheduler"}
+"""Fields whose command-line flag (argparse dest) is not the field's own name."""
+
+SERVICE_ENV_VARS: dict[str, str] = {
+    "ORCA_NATS_URL": "NATS server URL (`--nats-url` default of `orca serve` and the gateway)",
+    "ORCA_NATS_USER": "NATS user this process connects as (one per service: deploy/nats/nats.conf)",
+    "ORCA_NATS_PASSWORD": "that user's password (never logged)",
+    "ORCA_API_KEY": "bearer token the HTTP gateway requires (unset: no auth)",
+    "ORCA_CACHE_DIR": "where `orca serve` makes the demo model (default ~/.cache/orca-serve)",
+    "ORCA_TRACES_EXPORTER": "`none` (default), `console` or `otlp` (then OTEL_EXPORTER_OTLP_ENDPOINT)",
+}
+"""The service settings read here, with what each means (the README's table lists the same)."""
+
+
+@dataclass(frozen=True)
+class EngineEnvVar:
+    name: str
+    """The variable, e.g. ORCA_MAX_NUM_SEQS."""
+    section: str
+    """EngineConfig's attribute holding the field: model, scheduler, cache or parallel."""
+    field: str
+    dest: str
+    """The argparse dest of the flag it defaults (`services/cli.py` add_engine_args)."""
+    type: Any
+
+
+def engine_env_vars() -> list[EngineEnvVar]:
+    """ORCA_<FIELD> for every field of every engine config section, in declaration order."""
+    out = []
+    for section, struct in ENGINE_SECTIONS.items():
+        for f in msgspec.structs.fields(struct):
+            dest = FLAG_DESTS.get(f.name, f.name)
+            out.append(EngineEnvVar(PREFIX + dest.upper(), section, f.name, dest, f.type))
+    return out
+
+
+def engine_flag_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """{argparse dest: value} for each engine variable that is set and not empty, converted to
+    the field's type; a value that does not convert is a ValueError naming the variable."""
+    environ = os.environ if environ is None else environ
+    defaults = {}
+    for var in engine_env_vars():
+        raw = environ.get(var.name, "")
+        if raw == "":
+            continue
+        try:
+            defaults[var.dest] = msgspec.convert(raw, var.type, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{var.name}={raw!r}: {exc}") from None
+    return defaults
+
+
+def apply_engine_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Make the engine variables the defaults of `parser`'s flags; a required flag whose variable
+    is set (ORCA_MODEL) is no longer required. Call after the flags are added. A bad value
+    exits as a usage error does, naming the variable."""
+    try:
+        defaults = engine_flag_defaults(environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+    parser.set_defaults(**defaults)
+    for action in parser._actions:  # argparse has no public way to relax `required`
+        if action.dest in defaults:
+            action.required = False
 
 
 def cache_dir() -> Path:
@@ -18,6 +107,30 @@ def nats_url_default() -> str | None:
     return os.environ.get("ORCA_NATS_URL") or None
 
 
+def nats_credentials() -> tuple[str, str] | None:
+    """(user, password) from ORCA_NATS_USER and ORCA_NATS_PASSWORD, or None when no user is set."""
+    user = os.environ.get("ORCA_NATS_USER") or None
+    if user is None:
+        return None
+    return user, os.environ.get("ORCA_NATS_PASSWORD", "")
+
+
 def api_key() -> str | None:
     """ORCA_API_KEY: the bearer token the HTTP gateway requires (unset or empty: no auth)."""
     return os.environ.get("ORCA_API_KEY") or None
+
+
+def traces_exporter() -> str:
+    """ORCA_TRACES_EXPORTER: where spans go: `none` (default), `console`, or `otlp` (to the
+    collector at OTEL_EXPORTER_OTLP_ENDPOINT, which the OpenTelemetry exporter reads itself)."""
+    value = (os.environ.get("ORCA_TRACES_EXPORTER") or "none").lower()
+    if value not in ("none", "console", "otlp"):
+        raise ValueError(f"ORCA_TRACES_EXPORTER={value!r} is not one of none, console, otlp")
+    return value
+
+
+def fault_injection_file() -> Path | None:
+    """ORCA_TEST_FAULT_FILE (tests only): a path workers look at before each step; a file there
+    makes one step fail ("raise") or hang ("hang <seconds>"), and is removed when it fires."""
+    path = os.environ.get("ORCA_TEST_FAULT_FILE")
+    return Path(path) if path else None
