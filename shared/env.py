@@ -38,7 +38,6 @@ SERVICE_ENV_VARS: dict[str, str] = {
     "ORCA_NATS_PASSWORD": "that user's password (never logged)",
     "ORCA_API_KEY": "bearer token the HTTP gateway requires (unset: no auth)",
     "ORCA_CACHE_DIR": "where `orca serve` makes the demo model (default ~/.cache/orca-serve)",
-    "ORCA_TRACES_EXPORTER": "`none` (default), `console` or `otlp` (then OTEL_EXPORTER_OTLP_ENDPOINT)",
 }
 """The service settings read here, with what each means (the README's table lists the same)."""
 
@@ -118,19 +117,3 @@ def nats_credentials() -> tuple[str, str] | None:
 def api_key() -> str | None:
     """ORCA_API_KEY: the bearer token the HTTP gateway requires (unset or empty: no auth)."""
     return os.environ.get("ORCA_API_KEY") or None
-
-
-def traces_exporter() -> str:
-    """ORCA_TRACES_EXPORTER: where spans go: `none` (default), `console`, or `otlp` (to the
-    collector at OTEL_EXPORTER_OTLP_ENDPOINT, which the OpenTelemetry exporter reads itself)."""
-    value = (os.environ.get("ORCA_TRACES_EXPORTER") or "none").lower()
-    if value not in ("none", "console", "otlp"):
-        raise ValueError(f"ORCA_TRACES_EXPORTER={value!r} is not one of none, console, otlp")
-    return value
-
-
-def fault_injection_file() -> Path | None:
-    """ORCA_TEST_FAULT_FILE (tests only): a path workers look at before each step; a file there
-    makes one step fail ("raise") or hang ("hang <seconds>"), and is removed when it fires."""
-    path = os.environ.get("ORCA_TEST_FAULT_FILE")
-    return Path(path) if path else None

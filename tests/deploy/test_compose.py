@@ -1,18 +1,22 @@
-"""docker-compose.yml: valid against the compose spec, and each service's command really starts that
-service when run here as a local process against a local NATS (no Docker engine on this machine)."""
+"""docker-compose.yml: valid against the compose spec, and the stack it describes works when each
+service's command and environment run here as local processes (no Docker engine on this machine)
+against a local nats-server with the compose stack's own config (deploy/nats/nats.conf: a user per
+service): each service starts and answers, and a producer with the `client` user gets generations
+over NATS, a durable job, and a completion over HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import nats
@@ -26,11 +30,22 @@ from shared.messages import AdmissionStatus, EngineStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+STACK = ("engine", "tokenizer", "admission", "jobs", "gateway")
 pytestmark = pytest.mark.slow
 
 
 def compose() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
+
+
+def interpolate(value: str) -> str:
+    """Compose's `${NAME:-default}` / `${NAME-default}` / `${NAME}`, resolved to the defaults the
+    file gives (a developer's own exports do not leak into the test)."""
+    return re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}", lambda m: m.group(2) or "", value)
+
+
+def compose_environment(service: str) -> dict[str, str]:
+    return {k: interpolate(str(v)) for k, v in (compose()["services"][service].get("environment") or {}).items()}
 
 
 def test_compose_file_is_valid_against_the_compose_spec():
@@ -40,38 +55,82 @@ def test_compose_file_is_valid_against_the_compose_spec():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.fixture(scope="module")
-def nats_server():
-    server = LocalNatsServer().start()
-    yield server
-    server.cleanup()
+def test_compose_mounts_the_files_it_names():
+    """Every bind mount's source exists in the repository (observability files come from their own
+    issue: a missing one is reported, with the rest checked)."""
+    missing = []
+    for name, service in compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./") and not (ROOT / source).exists():
+                missing.append(f"{name}: {source}")
+    own = [m for m in missing if "deploy/observability" not in m]
+    assert not own, own
+    if missing:
+        pytest.skip(f"not in the tree yet: {missing}")
 
 
-def local_command(service: str, nats_url: str, model_dir: str, port: int | None = None) -> list[str]:
-    """The compose service's command, with the compose network's names swapped for this machine's."""
-    command = compose()["services"][service]["command"]
-    out = []
-    for arg in command:
-        arg = arg.replace("nats://nats:4222", nats_url).replace("/models/demo-llama-tiny", model_dir)
-        out.append(arg)
-    if port is not None:
-        out[out.index("--port") + 1] = str(port)
-        out[out.index("--host") + 1] = "127.0.0.1"
-    if out[0] == "python":
-        out[0] = sys.executable
-    elif out[0] == "orca":
-        out = [sys.executable, "-m", "services.cli", *out[1:]]
-    return out
+def test_every_service_connects_as_its_own_nats_user():
+    """Each service's ORCA_NATS_USER is a user of deploy/nats/nats.conf, and its password is the one
+    the NATS container gets for that user."""
+    conf = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    nats_env = compose_environment("nats")
+    users = {}
+    for name in (*STACK, "engine-gpu"):
+        env = compose_environment(name)
+        user = env["ORCA_NATS_USER"]
+        assert f"user: {user}\n" in conf, (name, user)
+        assert env["ORCA_NATS_PASSWORD"] == nats_env[f"ORCA_NATS_{user.upper()}_PASSWORD"], name
+        users[name] = user
+    assert len({users[n] for n in STACK}) == len(STACK)  # no two roles share a user
+
+
+def nats_server_for_compose(store_dir: str | None = None) -> LocalNatsServer:
+    """nats-server with the config file and password environment the compose `nats` service gets."""
+    service = compose()["services"]["nats"]
+    command = service["command"]
+    target = command[command.index("-c") + 1]
+    source = next(v.split(":")[0] for v in service["volumes"] if v.split(":")[1] == target)
+    return LocalNatsServer(config=ROOT / source, environ=compose_environment("nats"), store_dir=store_dir)
+
+
+def local(service: str, nats_url: str, model_dir: str, spans: Path, http_port: int | None = None
+          ) -> tuple[list[str], dict[str, str]]:
+    """The compose service's command and environment, with the compose network's names swapped
+    for this machine's (and spans written to a file: there is no collector here)."""
+    def swap(arg: str) -> str:
+        return arg.replace("nats://nats:4222", nats_url).replace("/models/demo-llama-tiny", model_dir)
+
+    command = [swap(a) for a in compose()["services"][service]["command"]]
+    if http_port is not None:
+        command[command.index("--port") + 1] = str(http_port)
+        command[command.index("--host") + 1] = "127.0.0.1"
+    if command[0] == "python":
+        command[0] = sys.executable
+    elif command[0] == "orca":
+        command = [sys.executable, "-m", "services.cli", *command[1:]]
+    environ = {k: swap(v) for k, v in compose_environment(service).items()}
+    environ["ORCA_CACHE_DIR"] = str(Path(model_dir).parent)
+    if environ.get("ORCA_TRACES_EXPORTER") == "otlp":
+        environ["ORCA_TRACES_EXPORTER"] = f"jsonl:{spans}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ORCA_", "OTEL_"))}
+    return command, {**base, **environ}
 
 
 class Running:
-    def __init__(self, command: list[str]) -> None:
-        self.process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
+    def __init__(self, command: list[str], environ: dict[str, str], log: Path) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
+
+    def stop(self) -> None:
+        self.terminate()
+        if self.process.poll() is None:
             try:
                 self.process.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -79,113 +138,176 @@ class Running:
                 self.process.wait()
 
     def output(self) -> str:
-        return self.process.stdout.read() if self.process.poll() is not None else ""
+        return self.log.read_text()[-3000:]
 
 
-async def first_message(url: str, subject: str, timeout_s: float) -> bytes:
-    nc = await nats.connect(url)
+class Stack:
+    def __init__(self, server: LocalNatsServer, http_port: int, running: dict[str, Running]) -> None:
+        self.server, self.http_port, self.running = server, http_port, running
+        self.passwords = compose_environment("nats")
+
+    def url(self, user: str) -> str:
+        return self.server.url_for(user, self.passwords[f"ORCA_NATS_{user.upper()}_PASSWORD"])
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {name}\n{r.output()}" for name, r in self.running.items())
+
+
+@pytest.fixture(scope="module")
+def stack(demo_model, tmp_path_factory):
+    """All the compose services but `model` (the demo_model fixture made the checkpoint), started
+    at once, as compose starts them."""
+    tmp = tmp_path_factory.mktemp("compose")
+    server = nats_server_for_compose().start()
+    http_port = free_port()
+    running: dict[str, Running] = {}
     try:
-        sub = await nc.subscribe(subject)
-        return (await sub.next_msg(timeout=timeout_s)).data
+        for name in STACK:
+            command, environ = local(name, server.url, demo_model, tmp / "spans.jsonl",
+                                     http_port if name == "gateway" else None)
+            running[name] = Running(command, environ, tmp / f"{name}.log")
+        yield Stack(server, http_port, running)
     finally:
-        await nc.close()
+        for r in running.values():  # all at once, then wait for each
+            r.terminate()
+        for r in running.values():
+            r.stop()
+        server.cleanup()
 
 
 def test_model_service_makes_the_checkpoint_the_others_read(tmp_path):
-    command = local_command("model", "unused", str(tmp_path / "demo"))
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    command, environ = local("model", "unused", str(tmp_path / "demo"), tmp_path / "spans.jsonl")
+    result = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "demo" / "config.json").is_file() and (tmp_path / "demo" / "tokenizer.json").is_file()
 
 
-def test_tokenizer_service_answers(nats_server, demo_model):
-    service = Running(local_command("tokenizer", nats_server.url, demo_model))
-    try:
-        async def probe() -> dict:
-            nc = await nats.connect(nats_server.url)
-            try:
-                for _ in range(120):
-                    try:
-                        return json.loads((await nc.request(subjects.GENERATE, b"{}", timeout=1)).data)
-                    except Exception:  # noqa: BLE001 - still starting
-                        await asyncio.sleep(0.5)
-            finally:
-                await nc.close()
-            raise AssertionError("tokenizer never answered")
-        reply = asyncio.run(probe())
-        assert reply["finish_reason"] == "error" and "id" in reply["error"]
-    finally:
-        service.stop()
+def engine_ready(stack: Stack) -> EngineStatus:
+    async def ready() -> EngineStatus:
+        nc = await nats.connect(stack.url("gateway"))  # a user that reads engine status
+        codec = Codec(EngineStatus)
+        try:
+            sub = await nc.subscribe(subjects.ENGINE_STATUS)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                try:
+                    status = codec.decode((await sub.next_msg(timeout=5)).data)
+                except nats.errors.TimeoutError:
+                    assert stack.running["engine"].process.poll() is None, stack.logs()
+                    continue
+                if status.ready:
+                    return status
+        finally:
+            await nc.close()
+        raise AssertionError("engine never reported ready:\n" + stack.logs())
+    return asyncio.run(ready())
 
 
-def test_admission_service_reports_its_queue(nats_server):
-    service = Running(local_command("admission", nats_server.url, "unused"))
-    try:
-        status = Codec(AdmissionStatus).decode(asyncio.run(first_message(nats_server.url, subjects.ADMISSION_STATUS, 60)))
-        assert status.queue_len == 0 and status.max_queue_len > 0
-    finally:
-        service.stop()
+def gateway_models(stack: Stack) -> dict:
+    for _ in range(480):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{stack.http_port}/v1/models", timeout=2) as response:
+                return json.loads(response.read())
+        except OSError:
+            assert stack.running["gateway"].process.poll() is None, stack.logs()
+            time.sleep(0.5)
+    raise AssertionError("gateway never answered:\n" + stack.logs())
 
 
-def test_jobs_service_creates_its_streams(nats_server):
-    service = Running(local_command("jobs", nats_server.url, "unused"))
-    try:
-        async def streams() -> list[str]:
-            nc = await nats.connect(nats_server.url)
-            js = nc.jetstream()
-            try:
-                for _ in range(120):
-                    names = [s.config.name for s in await js.streams_info()]
-                    if subjects.JOBS_STREAM in names and subjects.JOBS_RESULTS_STREAM in names:
-                        return names
+def test_engine_service_comes_up_ready(stack):
+    status = engine_ready(stack)
+    assert status.replica == "cpu0" and status.kv_used_blocks == 0 and status.max_model_len == 1024
+
+
+def test_tokenizer_service_answers(stack):
+    async def probe() -> dict:
+        nc = await nats.connect(stack.url("client"))
+        try:
+            for _ in range(240):
+                try:
+                    return json.loads((await nc.request(subjects.GENERATE, b"{}", timeout=1)).data)
+                except nats.errors.Error:  # still starting (no responders, or a timeout)
                     await asyncio.sleep(0.5)
-            finally:
-                await nc.close()
-            return []
-        assert subjects.JOBS_STREAM in asyncio.run(streams())
-    finally:
-        service.stop()
+        finally:
+            await nc.close()
+        raise AssertionError("tokenizer never answered:\n" + stack.logs())
+    reply = asyncio.run(probe())
+    assert reply["finish_reason"] == "error" and "id" in reply["error"]
 
 
-def test_engine_service_comes_up_ready(nats_server, demo_model):
-    service = Running(local_command("engine", nats_server.url, demo_model))
-    try:
-        async def ready() -> EngineStatus:
-            nc = await nats.connect(nats_server.url)
-            codec = Codec(EngineStatus)
-            try:
-                sub = await nc.subscribe(subjects.ENGINE_STATUS)
-                deadline = time.monotonic() + 240
-                while time.monotonic() < deadline:
-                    status = codec.decode((await sub.next_msg(timeout=240)).data)
-                    if status.ready:
-                        return status
-            finally:
-                await nc.close()
-            raise AssertionError("engine never reported ready")
-        status = asyncio.run(ready())
-        assert status.kv_used_blocks == 0 and status.max_model_len == 1024
-    finally:
-        service.stop()
-    assert service.process.returncode is not None
+def test_admission_service_reports_its_queue(stack):
+    async def first_status() -> bytes:
+        nc = await nats.connect(stack.url("gateway"))
+        try:
+            sub = await nc.subscribe(subjects.ADMISSION_STATUS)
+            return (await sub.next_msg(timeout=120)).data
+        finally:
+            await nc.close()
+    status = Codec(AdmissionStatus).decode(asyncio.run(first_status()))
+    assert status.max_queue_len > 0
 
 
-def test_gateway_service_answers_http(nats_server, demo_model):
-    port = free_port()
-    service = Running(local_command("gateway", nats_server.url, demo_model, port=port))
-    try:
-        for _ in range(240):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as response:
-                    body = json.loads(response.read())
-                    break
-            except (OSError, socket.timeout):
-                time.sleep(0.5)
-        else:
-            raise AssertionError("gateway never answered: " + service.output()[-2000:])
-        assert body["object"] == "list" and body["data"]
-    finally:
-        service.stop()
+def test_jobs_service_creates_its_streams(stack):
+    async def streams() -> list[str]:
+        nc = await nats.connect(stack.url("jobs"), inbox_prefix="_INBOX_jobs")
+        js = nc.jetstream()
+        try:
+            for _ in range(240):
+                names = [s.config.name for s in await js.streams_info()]
+                if subjects.JOBS_STREAM in names and subjects.JOBS_RESULTS_STREAM in names:
+                    return names
+                await asyncio.sleep(0.5)
+        finally:
+            await nc.close()
+        return []
+    assert subjects.JOBS_STREAM in asyncio.run(streams()), stack.logs()
+
+
+def test_gateway_service_answers_http(stack):
+    body = gateway_models(stack)
+    assert body["object"] == "list" and body["data"]
+
+
+def test_producer_with_the_client_user_gets_a_generation_a_job_and_a_completion(stack):
+    """The README's producer examples, against the stack, with the client user's credentials."""
+    engine_ready(stack)
+    gateway_models(stack)
+
+    async def over_nats() -> tuple[dict, dict]:
+        nc = await nats.connect(stack.url("client"))
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            await nc.publish(subjects.GENERATE, json.dumps(
+                {"id": "r1", "prompt": "def main():", "max_tokens": 8, "temperature": 0}).encode(), reply=inbox)
+            while (event := json.loads((await sub.next_msg(timeout=120)).data))["finish_reason"] is None:
+                pass
+            js = nc.jetstream()
+            job_id = f"job-{uuid.uuid4().hex[:8]}"
+            await js.publish(subjects.JOBS_SUBMIT, json.dumps({"id": job_id, "prompt": "import os", "max_tokens": 4,
+                                                               "temperature": 0}).encode(),
+                             headers={"Nats-Msg-Id": job_id})
+            for _ in range(240):
+                try:
+                    result = await js.get_last_msg(subjects.JOBS_RESULTS_STREAM, subjects.jobs_result(job_id))
+                    return event, json.loads(result.data)
+                except nats.js.errors.NotFoundError:
+                    await asyncio.sleep(0.5)
+            raise AssertionError("no job result:\n" + stack.logs())
+        finally:
+            await nc.close()
+
+    event, job = asyncio.run(over_nats())
+    assert event["finish_reason"] in ("stop", "length") and event["usage"]["completion_tokens"] >= 1, event
+    assert job["finish_reason"] in ("stop", "length") and job["token_ids"], job
+
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.http_port}/v1/completions", method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": "def main():", "max_tokens": 4, "temperature": 0}).encode())
+    with urllib.request.urlopen(request, timeout=120) as response:
+        completion = json.loads(response.read())
+    assert completion["usage"]["completion_tokens"] >= 1, completion
 
 
 @pytest.mark.parametrize("dockerfile", ["deploy/docker/Dockerfile", "deploy/docker/Dockerfile.cuda"])
