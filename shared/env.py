@@ -35,7 +35,7 @@ FLAG_DESTS = {"policy": "scheduler"}
 SERVICE_ENV_VARS: dict[str, str] = {
     "ORCA_NATS_URL": "NATS server URL (`--nats-url` default of `orca serve` and the gateway)",
     "ORCA_NATS_USER": "NATS user this process connects as (one per service: deploy/nats/nats.conf)",
-    "ORCA_NATS_PASSWORD": "that user's password (never logged)",
+    "ORCA_NATS_PASSWORD": "that user's password (never logged); unset: ORCA_NATS_<USER>_PASSWORD",
     "ORCA_API_KEY": "bearer token the HTTP gateway requires (unset: no auth)",
     "ORCA_CACHE_DIR": "where `orca serve` makes the demo model (default ~/.cache/orca-serve)",
 }
@@ -107,11 +107,14 @@ def nats_url_default() -> str | None:
 
 
 def nats_credentials() -> tuple[str, str] | None:
-    """(user, password) from ORCA_NATS_USER and ORCA_NATS_PASSWORD, or None when no user is set."""
+    """(user, password) from ORCA_NATS_USER and ORCA_NATS_PASSWORD, or None when no user is set.
+    Without ORCA_NATS_PASSWORD the password is ORCA_NATS_<USER>_PASSWORD: a Ray pod that hosts
+    several services holds every password and each actor names only its user (deploy/k8s)."""
     user = os.environ.get("ORCA_NATS_USER") or None
     if user is None:
         return None
-    return user, os.environ.get("ORCA_NATS_PASSWORD", "")
+    password = os.environ.get("ORCA_NATS_PASSWORD") or os.environ.get(f"ORCA_NATS_{user.upper()}_PASSWORD", "")
+    return user, password
 
 
 def api_key() -> str | None:

@@ -1,0 +1,101 @@
+"""The Ray Serve application that a KubeRay RayService runs (deploy/k8s/rayservice.yaml):
+
+    serveConfigV2:
+      applications:
+        - import_path: services.rayservice:app
+          args: {nats_url: ..., engine_replicas: 1, engine_args: ["--model", "/models/...", ...]}
+
+Two deployments. `orca-engine`: each replica owns one engine replica, an engine master actor that
+starts its workers as Ray actors (the Orca loop talks to the rest over NATS, as everywhere else);
+Serve restarts a replica whose master stopped, and its workers go with it. `orca-gateway`: the
+OpenAI-compatible HTTP gateway, the ingress (autoscaled on ongoing requests). `engine_args` are the
+flags of `orca serve` / `python -m services.engine`, parsed by the same parser, so ORCA_<FIELD>
+variables work here too. Each deployment connects to NATS as its own user (ORCA_NATS_USER in its
+runtime env; the pod holds ORCA_NATS_<USER>_PASSWORD: shared/env.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+from ray import serve
+
+from services.cli import add_engine_args, engine_config_from_args
+from services.gateway.app import RayGateway
+from services.gateway.state import GatewaySettings
+from shared import env
+from shared.config import EngineConfig
+
+ENGINE_DEPLOYMENT = "orca-engine"
+GATEWAY_DEPLOYMENT = "orca-gateway"
+
+
+class AppArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    nats_url: str
+    """NATS inside the cluster, e.g. nats://nats:4222 (credentials come from the environment)."""
+    engine_args: list[str]
+    """`orca serve` engine flags; `--model` names a checkpoint directory present on every Ray pod."""
+    engine_replicas: int = 1
+    """Engine replicas (model copies); each asks Ray for its workers' CPUs on the GPU nodes."""
+    worker_threads: int | None = None
+    served_model_name: str | None = None
+
+
+class EngineReplica:
+    """One engine replica: its master runs as a child actor (fate-shared with this replica)."""
+
+    def __init__(self, config: EngineConfig, nats_url: str, worker_threads: int | None) -> None:
+        import ray
+
+        from services.engine.actor import EngineMasterActor
+
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self.master = ray.remote(EngineMasterActor).options(num_cpus=0, max_concurrency=64).remote(
+            config, nats_url, self.replica, worker_threads=worker_threads)
+        self.running = self.master.run.remote()
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; a master that returned or failed restarts the replica."""
+        import ray
+
+        done, _ = ray.wait([self.running], timeout=0)
+        if done:
+            ray.get(self.running)  # raises the master's error
+            raise RuntimeError(f"engine replica {self.replica} stopped")
+
+
+class Gateway(RayGateway):
+    """The HTTP gateway; it holds the engine deployment's handle so that one application deploys both."""
+
+    def __init__(self, settings: GatewaySettings, engines: Any) -> None:
+        super().__init__(settings)
+        self.engines = engines
+
+
+def engine_config(engine_args: list[str]) -> EngineConfig:
+    """The flags parsed exactly as `python -m services.engine` parses them."""
+    parser = argparse.ArgumentParser(prog="engine_args")
+    add_engine_args(parser)
+    try:
+        args = parser.parse_args(engine_args)
+    except SystemExit:  # argparse has printed why; the Serve controller needs an exception
+        raise ValueError(f"bad engine_args {engine_args}") from None
+    return engine_config_from_args(args)
+
+
+def app(args: dict[str, Any]) -> serve.Application:
+    """The application builder named by serveConfigV2's import_path."""
+    parsed = msgspec.convert(args, AppArgs)
+    config = engine_config(parsed.engine_args)
+    engines = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=parsed.engine_replicas,
+                               ray_actor_options={"num_cpus": 0,
+                                                  "runtime_env": {"env_vars": {"ORCA_NATS_USER": "engine"}}})
+    gateway = serve.deployment(serve.ingress()(Gateway), name=GATEWAY_DEPLOYMENT, max_ongoing_requests=4096,
+                               graceful_shutdown_timeout_s=5,
+                               ray_actor_options={"num_cpus": 0,
+                                                  "runtime_env": {"env_vars": {"ORCA_NATS_USER": "gateway"}}})
+    settings = GatewaySettings(nats_url=parsed.nats_url, model=config.model.model,
+                               served_model_name=parsed.served_model_name, api_key=env.api_key())
+    return gateway.bind(settings, engines.bind(config, parsed.nats_url, parsed.worker_threads))

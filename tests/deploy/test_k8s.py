@@ -1,0 +1,269 @@
+"""deploy/k8s: the standard kinds validate against Kubernetes' own schemas (kubernetes-validate,
+strict: unknown fields fail); the RayService against the fields KubeRay's ray.io/v1 CRD documents,
+its pod templates as PodTemplateSpecs, its serveConfigV2 against Ray Serve's own config schema, and
+its application builder really builds; and the pieces agree with each other and with compose."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.30.0"
+CUSTOM_KINDS = ("RayService", "Kustomization")
+
+
+def manifests() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        out.extend((path.name, doc) for doc in yaml.safe_load_all(path.read_text()) if doc)
+    return out
+
+
+def find(kind: str, name: str | None = None) -> dict:
+    docs = [d for _, d in manifests() if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(docs) == 1, (kind, name, len(docs))
+    return docs[0]
+
+
+def validate(doc: dict) -> None:
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name,doc", [(f"{f}:{d['kind']}/{d['metadata']['name']}", d) for f, d in manifests()
+                                      if d["kind"] not in CUSTOM_KINDS])
+def test_standard_manifests_validate(name, doc):
+    validate(doc)
+
+
+def test_the_validator_rejects_a_mistyped_field():
+    doc = copy.deepcopy(find("Deployment", "tokenizer"))
+    doc["spec"]["template"]["spec"]["containers"][0]["comand"] = ["python"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(doc)
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+    namespace = kustomization["namespace"]
+    assert find("Namespace")["metadata"]["name"] == namespace
+
+
+def test_nats_config_map_is_the_nats_config_file():
+    config_map = find("ConfigMap", "nats-config")
+    assert config_map["data"]["nats.conf"] == (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+
+
+def test_nats_runs_as_in_compose():
+    container = find("StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["nats"]
+    assert container["args"] == compose["command"] and container["image"] == compose["image"]
+    assert [e["secretRef"]["name"] for e in container["envFrom"]] == ["orca-nats"]
+
+
+def containers(doc: dict) -> list[dict]:
+    if doc["kind"] == "RayService":
+        cluster = doc["spec"]["rayClusterConfig"]
+        templates = [cluster["headGroupSpec"]["template"], *(g["template"] for g in cluster["workerGroupSpecs"])]
+    elif doc["kind"] in ("Deployment", "StatefulSet"):
+        templates = [doc["spec"]["template"]]
+    else:
+        return []
+    return [c for t in templates for c in (*t["spec"].get("initContainers", []), *t["spec"]["containers"])]
+
+
+def test_secrets_config_maps_and_services_referenced_exist():
+    secret = find("Secret", "orca-nats")
+    keys = set(secret["stringData"])
+    config_maps = {d["metadata"]["name"] for _, d in manifests() if d["kind"] == "ConfigMap"}
+    services = {d["metadata"]["name"] for _, d in manifests() if d["kind"] == "Service"}
+    found = {"secrets": 0, "config maps": 0, "hosts": 0}
+    for _, doc in manifests():
+        text = yaml.safe_dump(doc)  # keys sorted: secretKeyRef's key before name
+        for ref in re.findall(r"secretKeyRef:\s+key: (\S+)\s+name: (\S+)", text):
+            assert ref[1] == "orca-nats" and ref[0] in keys, ref
+            found["secrets"] += 1
+        for name in re.findall(r"configMap:\s+name: (\S+)", text):
+            assert name in config_maps, name
+            found["config maps"] += 1
+        for host in re.findall(r"(?:nats|http)://([a-z0-9-]+):\d+", text):
+            assert host in services, (doc["metadata"]["name"], host)
+            found["hosts"] += 1
+    assert all(found.values()), found
+
+
+def test_orca_containers_use_the_project_images_and_their_own_nats_user():
+    users = set(re.findall(r"^\s+user: (\w+)$", (ROOT / "deploy" / "nats" / "nats.conf").read_text(), flags=re.M))
+    seen = set()
+    for _, doc in manifests():
+        for c in containers(doc):
+            if not c["image"].startswith("orca-serve"):
+                continue
+            assert c["image"] in ("orca-serve:cpu", "orca-serve:cuda"), c["image"]
+            env = {e["name"]: e for e in c.get("env", [])}
+            if "ORCA_NATS_USER" in env:
+                user = env["ORCA_NATS_USER"]["value"]
+                assert user in users
+                assert env["ORCA_NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == f"ORCA_NATS_{user.upper()}_PASSWORD"
+                seen.add(user)
+    assert {"tokenizer", "admission", "jobs"} <= seen
+
+
+@pytest.mark.parametrize("service", ["tokenizer", "admission", "jobs"])
+def test_service_deployments_run_the_compose_command(service):
+    """The same process as in compose (one config for every way of running)."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"][service]
+    container = find("Deployment", service)["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == compose["command"]
+    assert find("Deployment", "admission")["spec"]["replicas"] == 1  # one global queue
+
+
+# ---- RayService (ray.io/v1), checked against the fields KubeRay documents ------------------------
+# ray-operator/apis/ray/v1/{rayservice,raycluster}_types.go: field -> required. Unknown fields fail
+# here (the API server would prune them silently).
+
+RAYSERVICE_SPEC = {"serveConfigV2": False, "rayClusterConfig": True, "upgradeStrategy": False,
+                   "serveService": False, "excludeHeadPodFromServeSvc": False,
+                   "rayClusterDeletionDelaySeconds": False}
+RAYCLUSTER_SPEC = {"headGroupSpec": True, "workerGroupSpecs": False, "rayVersion": False,
+                   "enableInTreeAutoscaling": False, "autoscalerOptions": False, "headServiceAnnotations": False,
+                   "suspend": False, "gcsFaultToleranceOptions": False, "managedBy": False}
+HEAD_GROUP = {"serviceType": False, "headService": False, "enableIngress": False, "rayStartParams": True,
+              "template": True, "resources": False, "labels": False}
+WORKER_GROUP = {"groupName": True, "replicas": False, "minReplicas": True, "maxReplicas": True, "numOfHosts": False,
+                "rayStartParams": True, "template": True, "scaleStrategy": False, "idleTimeoutSeconds": False,
+                "suspend": False, "resources": False, "labels": False}
+AUTOSCALER_OPTIONS = {"resources": False, "image": False, "imagePullPolicy": False, "env": False, "envFrom": False,
+                      "volumeMounts": False, "securityContext": False, "idleTimeoutSeconds": False,
+                      "upscalingMode": False, "version": False}
+
+
+def check_fields(obj: dict, fields: dict[str, bool], where: str) -> list[str]:
+    problems = [f"{where}: unknown field {k!r}" for k in obj if k not in fields]
+    problems += [f"{where}: missing {k!r}" for k, required in fields.items() if required and k not in obj]
+    return problems
+
+
+def pod_template_problems(template: dict, where: str) -> list[str]:
+    try:
+        validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template})
+    except kubernetes_validate.ValidationError as exc:
+        return [f"{where}.template: {exc}"]
+    return []
+
+
+def rayservice_problems(doc: dict) -> list[str]:
+    problems = []
+    if doc.get("apiVersion") != "ray.io/v1" or doc.get("kind") != "RayService":
+        problems.append("apiVersion/kind must be ray.io/v1 RayService")
+    problems += check_fields(doc, {"apiVersion": True, "kind": True, "metadata": True, "spec": True}, "")
+    spec = doc.get("spec", {})
+    problems += check_fields(spec, RAYSERVICE_SPEC, "spec")
+    if not isinstance(spec.get("serveConfigV2", ""), str):
+        problems.append("spec.serveConfigV2 must be a YAML string")
+    strategy = spec.get("upgradeStrategy", {}).get("type")
+    if strategy is not None and strategy not in ("NewCluster", "None", "NewClusterWithIncrementalUpgrade"):
+        problems.append(f"spec.upgradeStrategy.type {strategy!r}")
+    cluster = spec.get("rayClusterConfig", {})
+    problems += check_fields(cluster, RAYCLUSTER_SPEC, "rayClusterConfig")
+    problems += check_fields(cluster.get("autoscalerOptions", {}), AUTOSCALER_OPTIONS, "autoscalerOptions")
+    mode = cluster.get("autoscalerOptions", {}).get("upscalingMode")
+    if mode is not None and mode not in ("Default", "Aggressive", "Conservative"):
+        problems.append(f"autoscalerOptions.upscalingMode {mode!r}")
+    head = cluster.get("headGroupSpec", {})
+    problems += check_fields(head, HEAD_GROUP, "headGroupSpec")
+    groups = [("headGroupSpec", head)]
+    names = []
+    for i, group in enumerate(cluster.get("workerGroupSpecs", [])):
+        where = f"workerGroupSpecs[{i}]"
+        problems += check_fields(group, WORKER_GROUP, where)
+        names.append(group.get("groupName"))
+        low, n, high = group.get("minReplicas", 0), group.get("replicas", 0), group.get("maxReplicas", 2**31 - 1)
+        if not 0 <= low <= n <= high:
+            problems.append(f"{where}: need 0 <= minReplicas <= replicas <= maxReplicas, got {low}, {n}, {high}")
+        groups.append((where, group))
+    if len(names) != len(set(names)):
+        problems.append(f"worker group names repeat: {names}")
+    for where, group in groups:
+        params = group.get("rayStartParams", {})
+        problems += [f"{where}.rayStartParams.{k}: values are strings" for k, v in params.items()
+                     if not isinstance(v, str)]
+        problems += pod_template_problems(group.get("template", {}), where)
+    return problems
+
+
+def test_rayservice_has_kuberays_documented_shape():
+    assert rayservice_problems(find("RayService")) == []
+
+
+@pytest.mark.parametrize("breakage", ["typo", "missing template", "int param", "replicas", "upscaling", "pod"])
+def test_the_rayservice_checker_catches_mistakes(breakage):
+    doc = copy.deepcopy(find("RayService"))
+    cluster = doc["spec"]["rayClusterConfig"]
+    worker = cluster["workerGroupSpecs"][0]
+    if breakage == "typo":
+        cluster["workerGroupSpec"] = cluster.pop("workerGroupSpecs")
+    elif breakage == "missing template":
+        del cluster["headGroupSpec"]["template"]
+    elif breakage == "int param":
+        worker["rayStartParams"]["num-gpus"] = 1
+    elif breakage == "replicas":
+        worker["minReplicas"] = worker["maxReplicas"] + 1
+    elif breakage == "upscaling":
+        cluster["autoscalerOptions"]["upscalingMode"] = "Fast"
+    elif breakage == "pod":
+        worker["template"]["spec"]["containers"][0]["imagePullPolicy"] = 3
+    assert rayservice_problems(doc)
+
+
+def test_rayservice_scales_gpu_workers_and_keeps_them_off_the_head():
+    cluster = find("RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    [gpu] = cluster["workerGroupSpecs"]
+    assert gpu["maxReplicas"] > gpu["minReplicas"]
+    container = gpu["template"]["spec"]["containers"][0]
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == gpu["rayStartParams"]["num-gpus"] == "1"
+    assert gpu["rayStartParams"]["num-cpus"] == "1"  # one engine worker (it asks Ray for one CPU) per GPU pod
+    images = {c["image"] for c in containers(find("RayService"))}
+    assert images == {"orca-serve:cuda"}  # one Python (and Ray) across the cluster
+
+
+def serve_config() -> dict[str, Any]:
+    return yaml.safe_load(find("RayService")["spec"]["serveConfigV2"])
+
+
+def test_serve_config_passes_ray_serves_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(serve_config())
+
+
+def test_serve_application_builds_from_its_import_path_and_args():
+    """The builder KubeRay's Serve controller will call, with the manifest's args: it parses the
+    engine flags like `orca serve` and returns an application with the deployments configured."""
+    import importlib
+
+    from ray.serve import Application
+
+    from services import rayservice
+
+    [application] = serve_config()["applications"]
+    module, _, attr = application["import_path"].partition(":")
+    built = getattr(importlib.import_module(module), attr)(application["args"])
+    assert isinstance(built, Application)
+    configured = {d["name"] for d in application["deployments"]}
+    assert configured <= {rayservice.ENGINE_DEPLOYMENT, rayservice.GATEWAY_DEPLOYMENT}
+    config = rayservice.engine_config(application["args"]["engine_args"])
+    assert config.model.device == "cuda" and config.model.model == "/models/demo-llama-tiny"
+    with pytest.raises(ValueError, match="engine_args"):
+        rayservice.engine_config(["--no-such-flag"])
