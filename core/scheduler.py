@@ -15,7 +15,8 @@ out). No new request is admitted in an iteration that had to preempt.
 Several iterations may be in flight at once (pipeline parallelism: one per stage). A request
 scheduled in an iteration whose `update` has not come back is in flight: it is left out of
 later iterations until then, so it is never in two batches at once (Orca's rule), and it is
-never chosen as a preemption victim.
+never chosen as a preemption victim. With a pipeline of depth D each iteration takes at most
+1/D of the active requests, so D batches can be in flight, none of them empty.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = False,
+        pipeline_depth: int = 1,
     ) -> None:
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
@@ -51,6 +53,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.pipeline_depth = pipeline_depth
         self.waiting: list[Request] = []  # sorted by queue_key
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -118,7 +121,9 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         pending = self._decodes_then_prefills()
-        while pending:
+        active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        most = -(-active // self.pipeline_depth)  # requests in this iteration
+        while pending and len(scheduled) < most:
             request = pending.pop(0)
             num_new = self._tokens_this_iteration(request, budget)
             if num_new == 0:
@@ -128,13 +133,16 @@ class Scheduler:
                 scheduled.append(self._scheduled(request, num_new, new_blocks))
                 budget -= num_new
         if not preempted and self.policy.admission_open(num_running_at_start):
-            for request in self._admit():
+            for request in self._admit(most - len(scheduled)):
                 num_new = self._tokens_this_iteration(request, budget)
                 if num_new:
                     new_blocks = self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_new)
                     assert new_blocks is not None, "admission reserved less than the first iteration needs"
                     scheduled.append(self._scheduled(request, num_new, new_blocks))
                     budget -= num_new
+        if not scheduled:  # nothing runs: the runner hears of these with the next batch
+            self._finished_since_schedule.extend(preempted)
+            return SchedulerOutput(self._iteration, [], [], [])
         output = SchedulerOutput(
             iteration=self._iteration,
             new_requests=self._new_request_data(scheduled),
@@ -172,10 +180,10 @@ class Scheduler:
 
     # ---- admission, growth, preemption ---------------------------------------------------
 
-    def _admit(self) -> list[Request]:
+    def _admit(self, most: int) -> list[Request]:
         """From the head of the waiting queue while the policy's reservation fits."""
         admitted: list[Request] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and len(admitted) < most:
             request = self.waiting[0]
             if not self._reserve(request):
                 break

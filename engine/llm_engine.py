@@ -2,12 +2,15 @@
 
 `step()` reads like the algorithm: schedule, execute, update, publish. The same scheduler
 and runner run behind NATS and Ray in `services/`; this is what `orca generate`, the
-tests and the benchmarks' baseline loop use.
+tests and the benchmarks' baseline loop use. With pipeline parallelism the executor holds
+one iteration per stage in flight, each with different requests (`step()` keeps the
+pipeline full, then applies the oldest iteration's result).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -18,8 +21,9 @@ from core.kv_cache import KVCacheManager
 from core.policies import make_policy
 from core.request import Request
 from core.scheduler import Scheduler
+from engine.executor import Executor, LocalExecutor, MultiprocExecutor, RunnerArgs, check_parallel
 from engine.tokenizer import Tokenizer, load_tokenizer
-from model.arch import eos_token_ids, resolve_max_model_len
+from model.arch import eos_token_ids, load_arch_config, resolve_max_model_len
 from model.runner import ModelRunner
 from shared.api import GenerateRequest
 from shared.config import EngineConfig
@@ -76,13 +80,15 @@ class LLMEngine:
         self.config = config
         self.max_model_len = resolve_max_model_len(config.model.model, config.model.max_model_len)
         cache = config.cache
-        self.runner = runner or ModelRunner(
-            config.model.model, dtype=config.model.dtype, device=config.model.device,
-            num_blocks=cache.num_blocks, block_size=cache.block_size, max_model_len=self.max_model_len,
-            seed=config.model.seed, kernel_backend=config.model.kernel_backend,
-        )
+        arch = load_arch_config(config.model.model)
+        check_parallel(arch, config)
+        self.executor: Executor
+        if config.parallel.world_size > 1:
+            self.executor = MultiprocExecutor(config, self.max_model_len)
+        else:
+            self.executor = LocalExecutor(runner or RunnerArgs.of(config, self.max_model_len).build())
         self.tokenizer = tokenizer or load_tokenizer(config.model.model)
-        self.vocab_size = self.runner.arch.vocab_size
+        self.vocab_size = arch.vocab_size
         self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
         sched = config.scheduler
         self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -90,11 +96,15 @@ class LLMEngine:
             make_policy(sched.policy), self.kv_cache, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens or max(self.max_model_len, 8192),
             max_model_len=self.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
+            pipeline_depth=self.executor.depth,
         )
         self.completions: dict[str, Completion] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.iterations: list[SchedulerOutput] = []
+        self.in_flight_log: list[tuple[int, ...]] = []
+        """With record_iterations: after each submit, the iterations in flight (oldest first)."""
         self.record_iterations = False
+        self._in_flight: deque[SchedulerOutput] = deque()
 
     # ---- requests --------------------------------------------------------------------
 
@@ -132,20 +142,37 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._in_flight)
+
+    @property
+    def runner(self) -> ModelRunner:
+        assert isinstance(self.executor, LocalExecutor), "the runner lives in worker processes"
+        return self.executor.runner
+
+    def close(self) -> None:
+        """Stop the worker processes (if any)."""
+        self.executor.close()
 
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
-        scheduler_output = self.scheduler.schedule()
-        now = time.perf_counter()
-        for item in scheduler_output.new_requests:
-            completion = self.completions[item.request_id]
-            completion.first_scheduled_time = completion.first_scheduled_time or now
-        runner_output = self.runner.execute(scheduler_output)
-        events = self.scheduler.update(scheduler_output, runner_output)
-        if self.record_iterations:
-            self.iterations.append(scheduler_output)
+        while len(self._in_flight) < self.executor.depth:
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                break
+            now = time.perf_counter()
+            for item in scheduler_output.new_requests:
+                completion = self.completions[item.request_id]
+                completion.first_scheduled_time = completion.first_scheduled_time or now
+            self.executor.submit(scheduler_output)
+            self._in_flight.append(scheduler_output)
+            if self.record_iterations:
+                self.iterations.append(scheduler_output)
+                self.in_flight_log.append(tuple(s.iteration for s in self._in_flight))
+        if not self._in_flight:
+            return []
+        scheduler_output = self._in_flight.popleft()
+        events = self.scheduler.update(scheduler_output, self.executor.collect())
         now = time.perf_counter()
         return [self._apply(event, now) for event in events]
 

@@ -39,7 +39,7 @@ class GPT2Block(nn.Module):
         ops.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         attn = ops.attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
                              meta.query_start_loc, self.scale)
-        h = self.attn_proj(attn.reshape(T, H))
+        h = self.attn_proj(attn.reshape(T, -1))  # H, or this rank's share of it under tensor parallelism
         x, residual = ops.layer_norm(h, self.ln_2.weight, self.ln_2.bias, self.eps, residual)
         return self.mlp_proj(ops.gelu_tanh(self.c_fc(x))), residual
 
@@ -53,17 +53,32 @@ class GPT2LMHeadModel(nn.Module):
         self.h = nn.ModuleList(GPT2Block(arch) for _ in range(arch.num_layers))
         self.ln_f = nn.LayerNorm(arch.hidden_size, eps=arch.norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.layer_range = (0, arch.num_layers)  # a pipeline stage narrows it (model/pipeline.py)
 
     def finish_loading(self) -> None:
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.wte.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, ops: KernelOps) -> torch.Tensor:
-        h = self.wte(input_ids) + self.wpe(positions)  # (T, H)
-        residual = None
-        for block, kv_cache in zip(self.h, kv_caches):
-            h, residual = block(h, residual, kv_cache, meta, ops)
+        h, residual = self.run_layers(self.embed(input_ids, positions), None, positions, kv_caches, meta, ops)
+        return self.final_norm(h, residual, ops)
+
+    # A pipeline stage runs a part of forward(): the first embeds, each runs its layers, the last normalizes.
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids) + self.wpe(positions)  # (T, H)
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[KVCache], meta: AttentionMetadata,
+                   ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks in `layer_range`; kv_caches[i] belongs to the range's i-th block."""
+        start, end = self.layer_range
+        for index, kv_cache in zip(range(start, end), kv_caches, strict=True):
+            h, residual = self.h[index](h, residual, kv_cache, meta, ops)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         h, _ = ops.layer_norm(h, self.ln_f.weight, self.ln_f.bias, self.arch.norm_eps, residual)
         return h
 
@@ -78,13 +93,10 @@ class GPT2LMHeadModel(nn.Module):
         if parts[0] == "h":
             self._load_block_weight(self.h[int(parts[1])], ".".join(parts[2:]), tensor)
             return
-        target = {
-            "wte.weight": self.wte.weight, "wpe.weight": self.wpe.weight,
-            "ln_f.weight": self.ln_f.weight, "ln_f.bias": self.ln_f.bias, "lm_head.weight": self.lm_head.weight,
-        }.get(name)
-        if target is None:
+        if name not in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"):
             raise ValueError(f"unexpected weight {name!r} in a gpt2 checkpoint")
-        target.data.copy_(tensor)
+        module_name, kind = name.split(".")
+        getattr(getattr(self, module_name), kind).data.copy_(tensor)
 
     def _load_block_weight(self, block: GPT2Block, name: str, tensor: torch.Tensor) -> None:
         conv1d = {"attn.c_attn": block.c_attn, "attn.c_proj": block.attn_proj,

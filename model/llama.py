@@ -82,21 +82,36 @@ class LlamaForCausalLM(nn.Module):
         self.norm = nn.Parameter(torch.ones(arch.hidden_size))
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_range = (0, arch.num_layers)  # a pipeline stage narrows it (model/pipeline.py)
 
     def finish_loading(self) -> None:
         """Called once weights are in place: tie the head and build the RoPE tables."""
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
-        weight = self.embed_tokens.weight
+        weight = next(self.parameters())
         self.rope = cos_sin_tables(self.arch, self.max_positions, weight.dtype, weight.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, ops: KernelOps) -> torch.Tensor:
+        h, residual = self.run_layers(self.embed(input_ids, positions), None, positions, kv_caches, meta, ops)
+        return self.final_norm(h, residual, ops)
+
+    # A pipeline stage runs a part of forward(): the first embeds, each runs its layers, the last normalizes.
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)  # (T, H)
+
+    def run_layers(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                   kv_caches: list[KVCache], meta: AttentionMetadata,
+                   ops: KernelOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers in `layer_range`; kv_caches[i] belongs to the range's i-th layer."""
         assert self.rope is not None, "finish_loading() was not called"
-        h = self.embed_tokens(input_ids)  # (T, H)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer(h, residual, positions, self.rope, kv_cache, meta, ops)
+        start, end = self.layer_range
+        for index, kv_cache in zip(range(start, end), kv_caches, strict=True):
+            h, residual = self.layers[index](h, residual, positions, self.rope, kv_cache, meta, ops)
+        return h, residual
+
+    def final_norm(self, h: torch.Tensor, residual: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         h, _ = ops.rms_norm(h, self.norm, self.arch.norm_eps, residual)
         return h
 

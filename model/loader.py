@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,8 +12,11 @@ from safetensors import safe_open
 from torch import nn
 
 from model.arch import ArchConfig, load_arch_config
+from model.distributed import ParallelGroups
 from model.gpt2 import GPT2LMHeadModel
 from model.llama import LlamaForCausalLM
+from model.pipeline import is_local_weight, keep_stage
+from model.tensor_parallel import checkpoint_slice, shard_layers
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -38,24 +41,36 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, arch: ArchConfig, groups: ParallelGroups,
+                 wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors `wanted`, each cut to this rank's tensor-parallel shard as it is read."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if not wanted(name):
+                    continue
+                source = f.get_slice(name)
+                cut = checkpoint_slice(arch, name, list(source.get_shape()), groups)
+                yield name, (cut(source) if cut is not None else f.get_tensor(name))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str,
-               max_positions: int | None = None) -> tuple[nn.Module, ArchConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, max_positions: int | None = None,
+               groups: ParallelGroups | None = None) -> tuple[nn.Module, ArchConfig]:
+    """The model, or with `groups` this worker's part of it: its pipeline stage's layers, each
+    sharded for tensor parallelism. Only that part is allocated and read from disk."""
     model_dir = Path(model_dir)
+    groups = groups or ParallelGroups()
     arch = load_arch_config(model_dir)
     positions = max_positions or arch.context_len
     cls = GPT2LMHeadModel if arch.is_gpt2 else LlamaForCausalLM
-    with torch.device(device):
-        model = cls(arch, positions).to(dtype)
+    with torch.device("meta"):
+        model = cls(arch, positions)
+        keep_stage(model, arch, groups.rank)
+        shard_layers(model, arch, groups)
+    model = model.to(dtype).to_empty(device=device)
     for param in model.parameters():
         param.data.fill_(float("nan"))  # any weight the checkpoint lacks shows up below
-    for name, tensor in iter_weights(model_dir):
+    for name, tensor in iter_weights(model_dir, arch, groups, lambda n: is_local_weight(model, arch, n)):
         try:
             model.load_weight(name, tensor.to(dtype))
         except RuntimeError as exc:  # shape mismatch from copy_

@@ -1,5 +1,10 @@
 """The model runner: owns the model, the preallocated KV cache and per-request state, and
-turns one `SchedulerOutput` into one `RunnerOutput` (selective batching, then sampling)."""
+turns one `SchedulerOutput` into one `RunnerOutput` (selective batching, then sampling).
+
+Under tensor/pipeline parallelism each worker runs one: its stage's layers, its shard of
+each. Every stage keeps the same request state and builds the same batch metadata from the
+step message; the first stage embeds the tokens, the others receive the previous stage's
+hidden states and residual, and only the output rank (last stage, TP rank 0) samples."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import torch
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from kernels.backend import get_kernel_ops
-from model.arch import ArchConfig
+from model.distributed import ParallelGroups
 from model.loader import load_model, resolve_dtype
 from model.metadata import AttentionMetadata
 from model.sampler import SamplingState, sample
+from model.tensor_parallel import local_kv_heads
 
 
 @dataclass
@@ -33,34 +39,41 @@ class BatchInputs:
 
 class ModelRunner:
     def __init__(self, model_dir: str, *, dtype: str, device: str, num_blocks: int, block_size: int,
-                 max_model_len: int, seed: int, kernel_backend: str = "auto") -> None:
+                 max_model_len: int, seed: int, kernel_backend: str = "auto",
+                 groups: ParallelGroups | None = None) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        self.model, self.arch = load_model(model_dir, self.dtype, device, max_positions=max_model_len)
+        self.groups = groups or ParallelGroups()
+        self.rank = self.groups.rank
+        self.model, self.arch = load_model(model_dir, self.dtype, device, max_positions=max_model_len,
+                                           groups=self.groups)
         self.ops = get_kernel_ops(kernel_backend, self.device.type)
         self.block_size = block_size
-        self.kv_caches = self._allocate_kv_cache(self.arch, num_blocks, block_size)
+        self.kv_caches = self._allocate_kv_cache(num_blocks, block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
 
-    def _allocate_kv_cache(self, arch: ArchConfig, num_blocks: int,
-                           block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Allocated once at start-up; iterations only write into it."""
-        shape = (num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    def _allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Allocated once at start-up, for this stage's layers and this rank's KV heads."""
+        shape = (num_blocks, block_size, local_kv_heads(self.arch, self.rank.tp_size), self.arch.head_dim)
+        start, end = self.model.layer_range
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(arch.num_layers)]
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(start, end)]
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
+        """The iteration's output on the output rank; None on every other rank."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return RunnerOutput()
+            return RunnerOutput() if self.rank.is_output_rank else None
         batch = self._prepare_inputs(scheduler_output.scheduled)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.ops)  # (T, H)
+        hidden = self._run_stage(batch)  # (T, H)
+        if hidden is None:
+            return None
         if not batch.sampled_request_ids:
             return RunnerOutput()  # only partial prefill chunks this iteration
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
@@ -70,6 +83,22 @@ class ModelRunner:
             sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
             logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},
         )
+
+    def _run_stage(self, batch: BatchInputs) -> torch.Tensor | None:
+        """This stage's part of the forward pass; the final hidden states on the output rank."""
+        model, rank = self.model, self.rank
+        if rank.is_first_stage:
+            h, residual = model.embed(batch.input_ids, batch.positions), None
+        else:
+            shape = (2, batch.input_ids.shape[0], self.arch.hidden_size)
+            h, residual = self.groups.recv_from_previous_stage(shape, self.dtype, self.device).unbind(0)
+        h, residual = model.run_layers(h, residual, batch.positions, self.kv_caches, batch.meta, self.ops)
+        if not rank.is_last_stage:
+            self.groups.send_to_next_stage(torch.stack((h, residual)))
+            return None
+        if not rank.is_output_rank:
+            return None
+        return model.final_norm(h, residual, self.ops)
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids:

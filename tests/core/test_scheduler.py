@@ -103,6 +103,8 @@ def test_abort_waiting_and_running_frees_kv():
     assert s.abort("a").finish_reason is FinishReason.ABORT
     assert s.kv_cache.num_used_blocks == 0 and not s.has_unfinished
     assert s.abort("a") is None
+    assert s.schedule().is_empty  # nothing to run: the runner hears of "a" with the next batch
+    s.add_request(make_request("c", 3, 1))
     assert s.schedule().finished_request_ids == ["a"]
 
 
@@ -165,3 +167,14 @@ def test_chunked_prefill_splits_a_long_prompt_and_samples_only_at_its_end():
 def test_budget_below_context_without_chunking_is_a_config_error():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_scheduler(max_num_batched_tokens=32, max_model_len=64)
+
+
+def test_a_pipeline_of_depth_two_splits_the_running_requests_between_two_batches():
+    s = make_scheduler(max_num_seqs=4, pipeline_depth=2)
+    for i in range(4):
+        s.add_request(make_request(f"r{i}", 3, 4))
+    first, second = s.schedule(), s.schedule()  # the first is still in flight when the second is made
+    assert set(scheduled_tokens(first)) == {"r0", "r1"} and set(scheduled_tokens(second)) == {"r2", "r3"}
+    assert s.schedule().is_empty  # everyone is in flight
+    s.update(first, fake_step(first))
+    assert set(scheduled_tokens(s.schedule())) == {"r0", "r1"}

@@ -82,7 +82,7 @@ def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_bl
     the runner's token stream (new_requests + new_token_ids) matches the scheduler's, and every
     request still ends with one final event and no leaked KV."""
     s = make_scheduler(policy, num_blocks=num_blocks, block_size=4, max_num_seqs=5, max_num_batched_tokens=48,
-                       max_model_len=32, enable_chunked_prefill=chunked)
+                       max_model_len=32, enable_chunked_prefill=chunked, pipeline_depth=depth)
     accepted: dict[str, int | None] = {}
     finished: set[str] = set()
     runner_tokens: dict[str, list[int]] = {}  # what a pipeline stage knows of each request

@@ -1,0 +1,199 @@
+"""How the in-process engine runs its iterations: one runner in this process, or tensor x
+pipeline parallel worker processes on this machine.
+
+Both take step messages in order (`submit`) and give back the output rank's results in the
+same order (`collect`), so the engine can keep several iterations in flight: one per
+pipeline stage. The worker processes form a torch.distributed group (gloo on CPU, NCCL on
+CUDA) for the tensors; steps and results travel as the same msgspec bytes the services send
+over NATS, through pipes. `orca serve` runs the same workers as Ray actors instead.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from core.batch import RunnerOutput, SchedulerOutput
+from model.arch import ArchConfig
+from model.distributed import ParallelRank
+from model.tensor_parallel import check_divisible
+from shared.codec import Codec
+from shared.config import EngineConfig
+
+step_codec, output_codec = Codec(SchedulerOutput), Codec(RunnerOutput)
+
+
+class Executor(Protocol):
+    depth: int
+    """Iterations it can hold in flight (the number of pipeline stages)."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+    def collect(self) -> RunnerOutput: ...
+    def close(self) -> None: ...
+
+
+def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
+    """Fail before starting any worker if the model cannot be split this way."""
+    parallel = config.parallel
+    check_divisible(arch, parallel.tensor_parallel_size)
+    ParallelRank(pp_size=parallel.pipeline_parallel_size).layer_range(arch.num_layers)
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    """What a worker needs to build its runner (picklable)."""
+
+    model_dir: str
+    dtype: str
+    device: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    seed: int
+    kernel_backend: str
+
+    @staticmethod
+    def of(config: EngineConfig, max_model_len: int) -> RunnerArgs:
+        m, c = config.model, config.cache
+        return RunnerArgs(m.model, m.dtype, m.device, c.num_blocks, c.block_size, max_model_len, m.seed,
+                          m.kernel_backend)
+
+    def build(self, groups=None):
+        from model.runner import ModelRunner
+
+        return ModelRunner(self.model_dir, dtype=self.dtype, device=self.device, num_blocks=self.num_blocks,
+                           block_size=self.block_size, max_model_len=self.max_model_len, seed=self.seed,
+                           kernel_backend=self.kernel_backend, groups=groups)
+
+
+class LocalExecutor:
+    """One runner, in this process: each step runs as it is submitted."""
+
+    depth = 1
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self._done: deque[RunnerOutput] = deque()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self._done.append(self.runner.execute(scheduler_output))
+
+    def collect(self) -> RunnerOutput:
+        return self._done.popleft()
+
+    def close(self) -> None:
+        pass
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class MultiprocExecutor:
+    """tp x pp worker processes; the engine keeps up to pp iterations in flight."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int, *, startup_timeout_s: float = 300.0,
+                 step_timeout_s: float = 600.0) -> None:
+        parallel = config.parallel
+        self.tp, self.pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        self.depth = self.pp
+        self.step_timeout_s = step_timeout_s
+        context = mp.get_context("spawn")  # fork would copy this process's torch threads and state
+        self.results = context.Queue()
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        threads = max(1, (os.cpu_count() or 1) // (self.tp * self.pp))
+        args = RunnerArgs.of(config, max_model_len)
+        self.pipes = []
+        self.processes = []
+        for rank in range(self.tp * self.pp):
+            parent, child = context.Pipe()
+            process = context.Process(target=_worker_main, name=f"orca-worker-{rank}", daemon=True,
+                                      args=(rank, self.tp, self.pp, init_method, args, threads, child, self.results))
+            process.start()
+            self.pipes.append(parent)
+            self.processes.append(process)
+        try:
+            for _ in self.processes:
+                kind, rank, detail = self._next(startup_timeout_s, "start")
+                if kind != "ready":
+                    raise WorkerFailed(f"worker {rank} failed to start: {detail}")
+        except BaseException:
+            self.close()
+            raise
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        data = Codec.encode(scheduler_output)
+        for pipe in self.pipes:
+            pipe.send_bytes(data)
+
+    def collect(self) -> RunnerOutput:
+        kind, rank, detail = self._next(self.step_timeout_s, "step")
+        if kind != "result":
+            raise WorkerFailed(f"worker {rank}: {detail}")
+        return output_codec.decode(detail)
+
+    def _next(self, timeout_s: float, what: str) -> tuple[str, int, object]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.name for p in self.processes if not p.is_alive()]
+                if dead:
+                    raise WorkerFailed(f"worker process {', '.join(dead)} died during {what}") from None
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"no {what} result from the workers within {timeout_s:.0f} s") from None
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send_bytes(b"")
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _worker_main(rank: int, tp: int, pp: int, init_method: str, args: RunnerArgs, threads: int,
+                 steps, results) -> None:
+    import torch
+
+    from model.distributed import destroy_distributed, init_distributed
+
+    torch.set_num_threads(threads)
+    try:
+        groups = init_distributed(ParallelRank.of(rank, tp, pp), init_method, args.device)
+        runner = args.build(groups)
+    except Exception:  # noqa: BLE001 - reported to the engine, which stops
+        results.put(("error", rank, traceback.format_exc()))
+        return
+    results.put(("ready", rank, None))
+    try:
+        while data := steps.recv_bytes():
+            try:
+                output = runner.execute(step_codec.decode(data))
+            except Exception:  # noqa: BLE001 - the engine turns it into an error for the batch
+                results.put(("error", rank, traceback.format_exc()))
+                continue
+            if output is not None:
+                results.put(("result", rank, Codec.encode(output)))
+    except EOFError:
+        pass
+    finally:
+        destroy_distributed()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
