@@ -70,6 +70,44 @@ def test_compose_mounts_the_files_it_names():
         pytest.skip(f"not in the tree yet: {missing}")
 
 
+def observability_file(relative: str) -> dict:
+    path = ROOT / "deploy" / "observability" / relative
+    if not path.is_file():
+        pytest.skip(f"{path.relative_to(ROOT)} is not in the tree yet")
+    return yaml.safe_load(path.read_text())
+
+
+def mount_target(service: str, source: str) -> str:
+    for volume in compose()["services"][service]["volumes"]:
+        parts = volume.split(":")
+        if parts[0] == source:
+            return parts[1]
+    raise AssertionError(f"{service} does not mount {source}")
+
+
+def test_grafana_provisioning_reads_the_dashboards_where_compose_mounts_them():
+    providers = observability_file("grafana/provisioning/dashboards/orca.yml")["providers"]
+    target = mount_target("grafana", "./deploy/observability/grafana/dashboards")
+    assert any(p["options"]["path"].rstrip("/") == target for p in providers), (providers, target)
+
+
+def test_prometheus_scrapes_the_gateway_of_the_stack():
+    config = observability_file("prometheus.yml")
+    targets = [t for job in config["scrape_configs"] for sc in job.get("static_configs", []) for t in sc["targets"]]
+    port = compose()["services"]["gateway"]["command"][-1]
+    assert f"gateway:{port}" in targets, targets
+    for rule_file in config.get("rule_files", []):
+        assert str(Path("/etc/prometheus") / rule_file) == mount_target("prometheus", "./deploy/observability/alerts.yml")
+
+
+def test_otel_collector_takes_what_the_services_send_and_reaches_jaeger():
+    config = observability_file("otel-collector.yaml")
+    endpoint = compose_environment("engine")["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert endpoint.endswith(":4317") and "grpc" in config["receivers"]["otlp"]["protocols"]  # OTLP/gRPC exporter
+    exporters = yaml.safe_dump(config["exporters"])
+    assert "jaeger:" in exporters, exporters
+
+
 def test_every_service_connects_as_its_own_nats_user():
     """Each service's ORCA_NATS_USER is a user of deploy/nats/nats.conf, and its password is the one
     the NATS container gets for that user."""
@@ -308,6 +346,17 @@ def test_producer_with_the_client_user_gets_a_generation_a_job_and_a_completion(
     with urllib.request.urlopen(request, timeout=120) as response:
         completion = json.loads(response.read())
     assert completion["usage"]["completion_tokens"] >= 1, completion
+
+
+def test_no_service_was_refused_by_nats(stack):
+    """Every service's user could do all that service did (the server reports each refusal to
+    the client, and services log it)."""
+    engine_ready(stack)
+    gateway_models(stack)
+    time.sleep(2)  # a round of metric snapshots and status messages from everyone
+    logs = stack.logs()
+    assert "permissions violation" not in logs.lower(), logs
+    assert "authorization violation" not in logs.lower(), logs
 
 
 @pytest.mark.parametrize("dockerfile", ["deploy/docker/Dockerfile", "deploy/docker/Dockerfile.cuda"])

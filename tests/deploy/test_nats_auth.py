@@ -50,6 +50,21 @@ def test_config_parses_and_needs_every_password():
     assert missing.returncode != 0 and "ORCA_NATS_JOBS_PASSWORD" in missing.stdout + missing.stderr
 
 
+def test_every_subject_of_the_project_is_in_the_config():
+    """A subject added to shared/subjects.py without a permission would be refused in every
+    secured deployment: each one (functions with a wildcard token) is named in nats.conf."""
+    conf = CONF.read_text()
+    prefixes = (subjects.PREFIX, subjects.JOBS_RESULT_PREFIX)  # not subjects themselves
+    names = [v for k, v in vars(subjects).items()
+             if k.isupper() and isinstance(v, str) and v.startswith("orca.") and v not in prefixes]
+    names += [subjects.engine_admit("*"), subjects.engine_step("*"), subjects.engine_result("*"),
+              subjects.detok("*"), f"{subjects.JOBS_RESULT_PREFIX}.>"]
+    functions = [k for k, v in vars(subjects).items() if callable(v) and getattr(v, "__module__", "") == subjects.__name__
+                 and k != "is_valid_token"]
+    assert sorted(functions) == ["detok", "engine_admit", "engine_result", "engine_step", "jobs_result"]
+    assert [n for n in names if f'"{n}"' not in conf] == []
+
+
 class User:
     """A connection as one user, made the way services connect (credentials from the environment,
     the user's own inbox prefix), that keeps the server's permission errors."""
@@ -121,6 +136,10 @@ ALLOWED = [
     ("engine", subjects.ENGINE_STATUS, "admission"),
     ("engine", subjects.ENGINE_STATUS, "gateway"),
     ("engine", subjects.detok("t1"), "tokenizer"),
+    ("tokenizer", subjects.METRICS, "gateway"),
+    ("admission", subjects.METRICS, "gateway"),
+    ("engine", subjects.METRICS, "gateway"),
+    ("jobs", subjects.METRICS, "gateway"),
 ]
 DENIED = [
     ("tokenizer", subjects.engine_step("0"), "engine"),
@@ -137,6 +156,7 @@ DENIED = [
     ("jobs", subjects.engine_admit("0"), "engine"),
     ("engine", subjects.ADMISSION_SUBMIT, "admission"),
     ("admission", subjects.engine_step("0"), "engine"),
+    ("client", subjects.METRICS, "gateway"),
 ]
 
 
