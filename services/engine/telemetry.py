@@ -59,6 +59,8 @@ class EngineTelemetry:
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.batch_size = Histogram(BATCH_SIZE_BUCKETS)
         self.publisher = SnapshotPublisher(nc, self.snapshot, config.metrics_interval_s) if nc is not None else None
+        self._start_publisher()  # now if built inside the event loop (the master is), else at the first hook
+
 
     # ---- hooks the master calls ------------------------------------------------------------------
 
@@ -72,14 +74,16 @@ class EngineTelemetry:
                 span = self.tracer.start_span("orca.engine.request", context=parent, attributes={
                     "orca.request_id": tokenized.request_id, "orca.replica": self.replica,
                     "gen_ai.usage.input_tokens": len(tokenized.prompt_token_ids)})
-            link = Link(span_context, {"orca.request_id": tokenized.request_id}) if span_context else None
+            # no link attributes: the SDK copies them into every span that links (per iteration per request)
+            link = Link(span_context) if span_context else None
             self.requests[tokenized.request_id] = TrackedRequest(tokenized.arrival_time, link, span)
 
     def on_iteration(self, output: SchedulerOutput, result: StepResult, events: list[RequestOutput],
-                     start_ns: int, end_ns: int | None = None) -> None:
-        """After `scheduler.update(output, result.output)` returned `events`; `start_ns` is
-        time.time_ns() when the iteration was scheduled."""
-        end_ns = end_ns or time.time_ns()
+                     started: float) -> None:
+        """After `scheduler.update(output, result.output)` returned `events`; `started` is
+        time.perf_counter() when the iteration was scheduled."""
+        end_ns = time.time_ns()
+        start_ns = end_ns - int((time.perf_counter() - started) * 1e9)
         self._start_publisher()
         self.iterations += 1
         self.iteration_tokens.observe(output.num_tokens)
@@ -130,7 +134,6 @@ class EngineTelemetry:
             "orca.kv.used_slots": used_slots,
             "orca.iteration.duration_s": (end_ns - start_ns) / 1e9,
             "orca.iteration.execute_s": result.execute_s,
-            "orca.request_ids": [s.request_id for s in output.scheduled],
         })
         span.end(end_time=end_ns)
 
@@ -176,7 +179,10 @@ class EngineTelemetry:
 
     def _start_publisher(self) -> None:
         if self.publisher is not None:
-            self.publisher.start()
+            try:
+                self.publisher.start()
+            except RuntimeError:  # no running event loop yet
+                pass
 
 
 _ROOT = trace.set_span_in_context(trace.INVALID_SPAN)

@@ -11,6 +11,7 @@ GET /health, GET /metrics, POST /tokenize, /detokenize, /v1/abort/{id}.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections import Counter
 from contextlib import asynccontextmanager
@@ -34,6 +35,10 @@ from shared.telemetry import setup_tracing
 log = logging.getLogger("orca.gateway")
 
 ERRORS = {code: {"model": t.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+# FastAPI >= 0.16x traces natively (a span per call, per dependency, per /metrics scrape); the HTTP span
+# is TraceRequests' on every version, so turn the native one off where it exists.
+NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                       if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
 
 
 def sse_schema(chunk: str) -> dict:
@@ -48,7 +53,7 @@ def sse_schema(chunk: str) -> dict:
 def build_app(settings: GatewaySettings) -> FastAPI:
     counts: Counter = Counter()
     app = FastAPI(title="orca-serve", version="0.1.0", lifespan=lifespan(settings, counts),
-                  description="OpenAI-compatible HTTP API of orca-serve")
+                  description="OpenAI-compatible HTTP API of orca-serve", **NO_NATIVE_TELEMETRY)
     app.add_exception_handler(APIError, lambda request, exc: exc.response())
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

@@ -76,18 +76,24 @@ class MetricsBoard:
 class SystemCollector(Collector):
     """The vllm: and orca: families built from a board, for one scrape."""
 
-    def __init__(self, board: MetricsBoard, model_name: str) -> None:
+    def __init__(self, board: MetricsBoard, model_name: str, now: float | None = None) -> None:
         self.board, self.model = board, model_name
+        self.now = time.monotonic() if now is None else now
 
     def collect(self) -> Iterable:
+        sources = GaugeMetricFamily("orca:metrics_sources", "Processes whose metric snapshot is fresh, by kind.",
+                                    labels=["kind"])
+        for kind in (TokenizerMetrics, AdmissionMetrics, EngineMetrics):
+            sources.add_metric([kind.__struct_config__.tag], len(self.board.fresh_of(kind, self.now)))
+        yield sources
         yield from self._engine_gauges()
         yield from self._request_families()
         yield from self._engine_counters()
         yield from self._admission()
 
     def _engine_gauges(self) -> Iterable:
-        engines = self.board.live_engines()
-        admission = self.board.fresh_of(AdmissionMetrics)
+        engines = self.board.live_engines(self.now)
+        admission = self.board.fresh_of(AdmissionMetrics, self.now)
         labels = ["model_name", "engine"]
         running = GaugeMetricFamily("vllm:num_requests_running", "Requests in an engine's running batch.",
                                     labels=labels)
@@ -142,7 +148,7 @@ class SystemCollector(Collector):
             yield _histogram(name, text, bounds, labels, {(self.model,): [getattr(t, field) for t in tokenizers]})
         active = GaugeMetricFamily("orca:num_requests_active", "Requests accepted by tokenizers and not yet ended.",
                                    labels=labels)
-        active.add_metric(key, sum(t.num_active for t in self.board.fresh_of(TokenizerMetrics)))
+        active.add_metric(key, sum(t.num_active for t in self.board.fresh_of(TokenizerMetrics, self.now)))
         yield active
 
     def _engine_counters(self) -> Iterable:
@@ -205,9 +211,9 @@ def _le(bound: float) -> str:
     return repr(float(bound))
 
 
-def render_system_metrics(board: MetricsBoard, model_name: str) -> str:
+def render_system_metrics(board: MetricsBoard, model_name: str, now: float | None = None) -> str:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SystemCollector(board, model_name))
+    registry.register(SystemCollector(board, model_name, now))
     return generate_latest(registry).decode()
 
 

@@ -46,13 +46,13 @@ def scheduler_params(max_tokens: int):
 
 
 def step(scheduler, telemetry) -> tuple[object, list, dict]:
-    start_ns = time.time_ns()
+    started = time.perf_counter()
     out = scheduler.schedule()
     runner = fake_step(out)
     events = scheduler.update(out, runner)
     kv = {"used": scheduler.kv_cache.num_used_blocks, "free": scheduler.kv_cache.num_free_blocks,
           "used_slots": sum(r.num_computed_tokens for r in scheduler.running)}
-    telemetry.on_iteration(out, StepResult(out.iteration, runner, execute_s=0.001), events, start_ns)
+    telemetry.on_iteration(out, StepResult(out.iteration, runner, execute_s=0.001), events, started)
     return out, events, kv
 
 
@@ -84,7 +84,6 @@ def test_one_span_per_iteration_linked_to_the_requests_it_served():
         assert span.parent is None and span.end_time > span.start_time
         linked = {link.context.span_id for link in span.links}
         assert linked == {spans[item.request_id].get_span_context().span_id for item in out.scheduled}
-        assert {link.attributes["orca.request_id"] for link in span.links} == {i.request_id for i in out.scheduled}
     # the first iteration is two prefills (max_num_seqs=2): 5 + 4 tokens, no decode
     assert iterations[0].attributes["orca.num_prefill_tokens"] == 9
     assert iterations[0].attributes["orca.num_decode_tokens"] == 0

@@ -1,0 +1,132 @@
+"""The gateway's aggregation of metric snapshots (several tokenizers, several engine replicas, a
+restarted process, a silent one), rendered by the real collector and read back with
+prometheus_client's parser; and the snapshots travelling over a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.gateway.metrics import STALE_S, MetricsBoard, render_system_metrics
+from shared import subjects
+from shared.codec import Codec
+from shared.messages import AdmissionMetrics, EngineMetrics, TokenizerMetrics
+from shared.outputs import FinishReason
+from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
+                              TTFT_BUCKETS, Histogram, SnapshotPublisher)
+
+
+def hist(bounds, values) -> object:
+    h = Histogram(bounds)
+    for v in values:
+        h.observe(v)
+    return h.data()
+
+
+def tokenizer(source: str, prompt: int, generated: int, ttfts: list[float], finished: dict) -> TokenizerMetrics:
+    return TokenizerMetrics(source, prompt, generated, finished, hist(TTFT_BUCKETS, ttfts), hist(ITL_BUCKETS, []),
+                            hist(LATENCY_BUCKETS, [1.0] * len(ttfts)), num_active=1)
+
+
+def engine(source: str, replica: str, *, running: int, used_blocks: int, preemptions: int,
+           iteration_tokens: list[int]) -> EngineMetrics:
+    return EngineMetrics(source, replica, "orca", running, 0, 8, 100, 16, used_blocks, used_blocks * 16,
+                         used_blocks * 10, preemptions, len(iteration_tokens), hist(LATENCY_BUCKETS, [0.2]),
+                         hist(ITERATION_TOKEN_BUCKETS, iteration_tokens), hist(BATCH_SIZE_BUCKETS, [1]))
+
+
+def parse(text: str) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_counters_add_up_across_processes_and_restarts_and_gauges_only_from_live_ones():
+    board, now = MetricsBoard(), 1000.0
+    board.on_snapshot(tokenizer("tok-a", 10, 4, [0.05, 0.5], {FinishReason.STOP: 2}), now)
+    board.on_snapshot(tokenizer("tok-b", 7, 3, [2.0], {FinishReason.LENGTH: 1}), now)
+    board.on_snapshot(tokenizer("tok-a", 12, 6, [0.05, 0.5, 0.7], {FinishReason.STOP: 3}), now)  # newer: replaces
+    # replica 0 ran, died (its source falls silent) and came back as a new source; replica 1 is live
+    board.on_snapshot(engine("e0-old", "0", running=5, used_blocks=50, preemptions=2, iteration_tokens=[5, 1]),
+                      now - STALE_S - 1)
+    board.on_snapshot(engine("e0-new", "0", running=1, used_blocks=10, preemptions=1, iteration_tokens=[3]), now)
+    board.on_snapshot(engine("e1", "1", running=2, used_blocks=25, preemptions=0, iteration_tokens=[9, 1, 1]), now)
+    board.on_snapshot(AdmissionMetrics("adm", 4, 100, 20, 2, 1), now)
+
+    m = parse(render_system_metrics(board, "demo", now))
+
+    assert m[("vllm:prompt_tokens_total", (("model_name", "demo"),))] == 12 + 7
+    assert m[("vllm:generation_tokens_total", (("model_name", "demo"),))] == 6 + 3
+    assert m[("vllm:request_success_total", (("finished_reason", "stop"), ("model_name", "demo")))] == 3
+    assert m[("vllm:request_success_total", (("finished_reason", "length"), ("model_name", "demo")))] == 1
+    ttft = (("model_name", "demo"),)
+    assert m[("vllm:time_to_first_token_seconds_count", ttft)] == 4
+    assert m[("vllm:time_to_first_token_seconds_sum", ttft)] == pytest.approx(0.05 + 0.5 + 0.7 + 2.0)
+    assert m[("vllm:time_to_first_token_seconds_bucket", (("le", "0.1"), ("model_name", "demo")))] == 1
+    assert m[("vllm:time_to_first_token_seconds_bucket", (("le", "0.5"), ("model_name", "demo")))] == 2
+    assert m[("vllm:time_to_first_token_seconds_bucket", (("le", "+Inf"), ("model_name", "demo")))] == 4
+
+    e0, e1 = (("engine", "0"), ("model_name", "demo")), (("engine", "1"), ("model_name", "demo"))
+    # counters: the dead incarnation's count stays in (a restart adds, never resets)
+    assert m[("vllm:num_preemptions_total", e0)] == 3 and m[("vllm:num_preemptions_total", e1)] == 0
+    assert m[("vllm:iteration_tokens_total_sum", e0)] == 9 and m[("vllm:iteration_tokens_total_count", e0)] == 3
+    assert m[("orca:iterations_total", e1)] == 3
+    # gauges: only the live incarnation
+    assert m[("vllm:num_requests_running", e0)] == 1 and m[("vllm:num_requests_running", e1)] == 2
+    assert m[("vllm:kv_cache_usage_perc", e0)] == 0.10 and m[("vllm:gpu_cache_usage_perc", e1)] == 0.25
+    assert m[("orca:kv_reserved_slots", e1)] == 400 and m[("orca:kv_used_slots", e1)] == 250
+    assert m[("vllm:num_requests_waiting", (("engine", "admission"), ("model_name", "demo")))] == 4
+    assert m[("orca:admission_rejections_total", (("reason", "queue_full"),))] == 2
+    assert m[("orca:admission_rejections_total", (("reason", "unservable"),))] == 1
+    assert m[("orca:metrics_sources", (("kind", "engine"),))] == 2
+    assert m[("orca:metrics_sources", (("kind", "tokenizer"),))] == 2
+
+
+def test_histogram_buckets_are_le():
+    h = Histogram((1, 2))
+    for v in (0.5, 1, 1.5, 2, 3):
+        h.observe(v)
+    assert h.counts == [2, 2, 1] and h.sum == 8.0
+
+
+@pytest.fixture(scope="module")
+def nats_url():
+    from services.nats_server import LocalNatsServer
+
+    server = LocalNatsServer().start()
+    yield server.url
+    server.cleanup()
+
+
+def test_snapshots_travel_over_nats_to_the_board(nats_url):
+    async def main():
+        board = MetricsBoard()
+        listener, producer = await nats.connect(nats_url), await nats.connect(nats_url)
+        await listener.subscribe(subjects.METRICS, cb=board.on_message)
+        await listener.flush()
+        count = {"n": 0}
+
+        def snapshot():
+            count["n"] += 1
+            return AdmissionMetrics("adm-x", count["n"], 10, 0, 0, 0)
+
+        publisher = SnapshotPublisher(producer, snapshot, interval_s=0.05)
+        publisher.start()
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if board.sources.get("adm-x") and board.sources["adm-x"][0].queue_len >= 3:
+                break
+        await publisher.stop()
+        await producer.publish(subjects.METRICS, b"not msgpack")  # a bad message is logged, not fatal
+        await producer.publish(subjects.METRICS, Codec.encode(AdmissionMetrics("adm-y", 1, 10, 0, 0, 0)))
+        await producer.flush()
+        await asyncio.sleep(0.2)
+        await listener.close()
+        await producer.close()
+        return board
+
+    board = asyncio.run(main())
+    assert board.sources["adm-x"][0].queue_len >= 3  # it kept publishing, newest kept
+    assert set(board.sources) == {"adm-x", "adm-y"}
