@@ -227,8 +227,12 @@ def test_metrics_under_load_match_what_was_sent(observed):
         "length": num, "error": 1, "unservable": 1,
     }
     # snapshots come from four processes at their own pace: wait until each has told its part
-    after = wait_for(lambda: (s := scrape(observed)) if delta(s, base, expected) == expected else None, 15,
-                     "the metrics take in every request", lambda: str(delta(scrape(observed), base, expected)))
+    def complete():
+        samples = scrape(observed)
+        return samples if delta(samples, base, expected) == expected else None
+
+    after = wait_for(complete, 15, "the metrics take in every request",
+                     lambda: str(delta(scrape(observed), base, expected)))
     assert delta(after, base, expected) == expected
     d = {k: figures(after)[k] - base[k] for k in base}
     assert d["vllm:iteration_tokens_total_count"] == d["orca:iterations_total"] > 0
