@@ -22,6 +22,7 @@ from core.kv_cache import KVCacheManager
 from core.policies import make_policy
 from core.request import Request
 from core.scheduler import Scheduler
+from services.engine.telemetry import EngineTelemetry
 from services.engine.workers import WorkerDied, WorkerGroup
 from shared import subjects
 from shared.codec import Codec
@@ -48,6 +49,7 @@ class EngineMaster:
         self.step_timeout_s = step_timeout_s
         self.incarnation = uuid.uuid4().hex[:12]
         self.scheduler = self._new_scheduler()
+        self.telemetry = EngineTelemetry(nc, replica, self.scheduler)
         self.owners: dict[str, str] = {}  # request id -> tokenizer instance that owns it
         self.recent_cancels: OrderedDict[str, FinishReason] = OrderedDict()
         self.resumes: dict[str, int] = {}  # request id -> times it resumed after a worker died
@@ -95,6 +97,7 @@ class EngineMaster:
             return
         result = await self.execute(scheduler_output)
         events = self.scheduler.update(scheduler_output, result.output)
+        self.telemetry.on_iteration(scheduler_output, result, events, start)
         self.iteration_log.append((scheduler_output.iteration, [s.request_id for s in scheduler_output.scheduled]))
         await self.publish_outputs(events)
         self.steps += 1
@@ -151,6 +154,7 @@ class EngineMaster:
 
     async def on_admit(self, msg: Msg) -> None:
         admit = admit_codec.decode(msg.data)
+        self.telemetry.on_admit(admit.requests)
         errors: list[RequestOutput] = []
         for tokenized in admit.requests:
             error = self._add(tokenized)
