@@ -3,7 +3,10 @@
 Starts (unless pointed elsewhere) a local nats-server and a local Ray, the engine masters
 and their workers as Ray actors, and the tokenizer and admission services as processes
 (`python -m services.<name>`, as docker-compose runs them). Stays up until Ctrl-C or
-SIGTERM, then stops everything it started.
+SIGTERM, then drains: the tokenizer refuses new requests (HTTP clients get 503) and lets those
+in flight finish for up to --drain-timeout seconds (the rest end with an error event), the jobs
+service stops pulling and lets its jobs finish (the rest are redelivered on the next start);
+then it stops everything it started.
 """
 
 from __future__ import annotations
@@ -43,23 +46,28 @@ def service_command(name: str, nats_url: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", f"services.{name}", "--nats-url", nats_url, *extra]
 
 
-def start_engines(config: EngineConfig, nats_url: str, replicas: int, worker_threads: int | None) -> list:
+def start_engines(config: EngineConfig, nats_url: str, replicas: int, worker_threads: int | None,
+                  step_timeout_s: float = 120.0, worker_cpus: float = 1.0) -> tuple[list, list]:
+    """The engine master actors and their `run` calls (which fail at once if, say, the cluster
+    cannot place their workers)."""
     import ray
 
     from services.engine.actor import EngineMasterActor
 
     actor_cls = ray.remote(EngineMasterActor)
-    masters = []
+    masters, runs = [], []
     for i in range(replicas):
         master = actor_cls.options(name=f"orca-engine-{i}", num_cpus=0, max_concurrency=64).remote(
-            config, nats_url, str(i), worker_threads=worker_threads)
-        master.run.remote()
+            config, nats_url, str(i), worker_threads=worker_threads, step_timeout_s=step_timeout_s,
+            worker_cpus=worker_cpus)
+        runs.append(master.run.remote())
         masters.append(master)
-    return masters
+    return masters, runs
 
 
-async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float) -> None:
-    """Until every engine reports ready and a tokenizer answers a probe."""
+async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs: list = ()) -> None:
+    """Until every engine reports ready and a tokenizer answers a probe; raises at once if an
+    engine's `run` (a Ray call) ended, which it only does on failure."""
     from services.bus import connect
 
     nc = await connect(nats_url, "orca-serve-probe")
@@ -80,10 +88,13 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float) -> No
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engines not ready after {timeout_s:.0f} s ({len(ready)}/{replicas} ready)")
             print(f"  waiting for engines: {len(ready)}/{replicas} ready", file=sys.stderr)
-            try:
-                await asyncio.wait_for(got_all.wait(), timeout=5)
-            except asyncio.TimeoutError:
-                pass
+            for _ in range(10):
+                _raise_if_ended(runs)
+                try:
+                    await asyncio.wait_for(got_all.wait(), timeout=0.5)
+                    break
+                except asyncio.TimeoutError:
+                    pass
         while True:
             try:
                 await nc.request(subjects.GENERATE, b"{}", timeout=2)
@@ -94,6 +105,19 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float) -> No
                 await asyncio.sleep(0.5)
     finally:
         await nc.close()
+
+
+def _raise_if_ended(runs: list) -> None:
+    import ray
+
+    done, _ = ray.wait(list(runs), timeout=0, num_returns=len(runs)) if runs else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            raise ValueError(f"an engine failed to start: {cause}") from None
+        raise ValueError("an engine stopped while starting")
 
 
 def serve(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -123,19 +147,21 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         # terminal's Ctrl-C reaches only this process, which then stops them in order.
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        drain = ("--drain-timeout", str(args.drain_timeout))
         processes = [
-            subprocess.Popen(service_command("tokenizer", nats_url, "--model", config.model.model),
+            subprocess.Popen(service_command("tokenizer", nats_url, "--model", config.model.model, *drain),
                              start_new_session=True),
             subprocess.Popen(service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len)),
                              start_new_session=True),
-            subprocess.Popen(service_command("jobs", nats_url), start_new_session=True),
+            subprocess.Popen(service_command("jobs", nats_url, *drain), start_new_session=True),
         ]
         stack.callback(_stop_processes, processes)
         # Ray pins an actor's OMP threads to its CPU count (1); give each worker its share of the machine.
-        threads = args.worker_threads or max(1, (os.cpu_count() or 1) // args.replicas)
-        masters = start_engines(config, nats_url, args.replicas, threads)
+        workers = args.replicas * config.parallel.world_size
+        threads = args.worker_threads or max(1, (os.cpu_count() or 1) // workers)
+        masters, runs = start_engines(config, nats_url, args.replicas, threads, args.step_timeout, args.worker_cpus)
         stack.callback(_stop_masters, masters)
-        asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout))
+        asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, runs))
         http_url = start_gateway(args, nats_url, config.model.model)
         stack.callback(_stop_gateway)
         print(f"orca-serve is up: HTTP {http_url}, NATS {nats_url}, {args.replicas} engine replica(s) of "
@@ -152,6 +178,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                     print(f"orca: service {p.args[2]} exited with {p.returncode}; stopping", file=sys.stderr)
                     stop["now"] = True
             time.sleep(0.2)
+        print("orca-serve: draining", file=sys.stderr, flush=True)
+        _drain([processes[0], processes[2]], args.drain_timeout)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     return 0
 
@@ -197,6 +225,20 @@ def _stop_processes(processes: list[subprocess.Popen]) -> None:
             p.kill()
 
 
+def _drain(front: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM the services that take requests in (tokenizer, jobs): they finish what they hold
+    within `timeout_s`, while everything behind them (admission, engines, NATS) still runs."""
+    for p in front:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in front:
+        try:
+            p.wait(timeout=timeout_s + 10)  # their own deadline, plus time to say so and exit
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def _stop_masters(masters: list) -> None:
     import ray
 
@@ -212,8 +254,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     g.add_argument("--replicas", type=int, default=1, help="engine replicas (each with its own workers)")
     g.add_argument("--worker-threads", type=int, default=None, help="torch threads per worker")
+    g.add_argument("--worker-cpus", type=float, default=1.0,
+                   help="Ray CPUs reserved per worker (tp x pp workers per replica; fractions allowed)")
     g.add_argument("--max-queue-len", type=int, default=1024, help="admission queue bound")
     g.add_argument("--startup-timeout", type=float, default=300.0)
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds to let requests in flight finish before ending them with an error")
+    g.add_argument("--step-timeout", type=float, default=120.0,
+                   help="an engine iteration with no result within this many seconds counts as a dead worker")
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")

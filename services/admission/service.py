@@ -14,6 +14,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.admission import AdmissionQueue, QueueFull
+from services.bus import on_reconnect
 from services.admission.telemetry import AdmissionTelemetry
 from shared import subjects
 from shared.api import decode_abort
@@ -40,6 +41,13 @@ class AdmissionService:
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
         self._heartbeat = asyncio.create_task(self._publish_periodically())
+        on_reconnect(self.nc, self.on_reconnected)
+
+    def on_reconnected(self) -> None:
+        """Admits sent while NATS was away may be lost, and an engine that never echoes one would
+        never be offered work again: relearn every engine from its next status instead."""
+        for replica in list(self.queue.engines):
+            self.queue.forget_engine(replica)
         self.metrics.start()
 
     async def stop(self) -> None:

@@ -18,6 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.gateway.metrics import MetricsBoard
+from services.bus import on_reconnect
 from shared import subjects
 from shared.api import AbortRequest, GenerateEvent, GenerateRequest, encode_json
 from shared.codec import Codec
@@ -30,6 +31,8 @@ engine_codec = Codec(EngineStatus)
 
 STATUS_FRESH_S = 5.0
 """A status older than this is not believed (admission publishes every second, idle engines twice)."""
+BUS_RESTARTED = "the connection to the message bus (NATS) dropped while this request ran; retry"
+NO_TOKENIZER = "no tokenizer service is listening; retry later"
 
 
 class Event(GenerateEvent, frozen=True, omit_defaults=True):
@@ -152,6 +155,14 @@ class EngineClient:
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self._on_engine)
         await self.nc.subscribe(subjects.METRICS, cb=self.metrics.on_message)
         await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_event)
+        on_reconnect(self.nc, self._on_reconnected)
+
+    def _on_reconnected(self) -> None:
+        """Events sent here while NATS was away are lost: end every request in flight with an error
+        now rather than let its stream stop short or wait forever (the tokenizer aborts them too)."""
+        for request_id, (generation, index) in list(self.routes.items()):
+            if request_id in generation.unfinished:
+                generation.deliver(index, Event(request_id, [], "", "error", error=BUS_RESTARTED))
 
     async def wait_for_status(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -199,6 +210,11 @@ class EngineClient:
         route = self.routes.get(request_id)
         if route is None:
             return  # its HTTP call has gone
+        if request_id not in route[0].unfinished:
+            return  # it already ended (e.g. here, when NATS reconnected): one final event only
+        if msg.headers and msg.headers.get("Status") == "503":  # NATS: nobody subscribes to generate
+            route[0].deliver(route[1], Event(request_id, [], "", "error", error=NO_TOKENIZER))
+            return
         try:
             event = event_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

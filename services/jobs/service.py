@@ -6,6 +6,10 @@ through the normal `orca.v1.generate` path, its result stored on
 `orca.v1.jobs.result.<id>` (a stream keeping the last message per subject, so a producer
 can read it later), and only then acked. A redelivered job whose result is already stored
 is acked without generating again.
+
+A generation during which this service's NATS connection dropped is not trusted (core NATS
+may have lost some of its events): the job is nak'ed and generated again, under a new request
+id, rather than stored truncated or stored with the error the outage caused.
 """
 
 from __future__ import annotations
@@ -21,12 +25,17 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType
 from nats.js.errors import NotFoundError
 
 from shared import subjects
-from shared.api import decode_generate_request, encode_json
+from shared.api import AbortRequest, decode_generate_request, encode_json
 
 log = logging.getLogger("orca.jobs")
 DUPLICATE_WINDOW_S = 600.0
 ACK_WAIT_S = 120.0
 IDLE_EVENT_TIMEOUT_S = 300.0
+RETRY_DELAY_S = 2.0
+
+
+class Interrupted(Exception):
+    """The connection to NATS dropped while a job was generated: its events may be incomplete."""
 
 
 class JobResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -65,12 +74,17 @@ class JobsService:
             config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_ack_pending=1024))
         self._loop = asyncio.create_task(self._pull())
 
-    async def stop(self) -> None:
-        """Stop pulling; jobs in progress are not acked, so JetStream hands them out again."""
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop pulling, let jobs in progress finish for up to `drain_timeout_s`, then cancel the
+        rest: they are not acked, so JetStream hands them out again."""
         self._loop.cancel()
+        await asyncio.gather(self._loop, return_exceptions=True)
+        await self.sub.unsubscribe()  # else draining the connection waits out a pending fetch
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=drain_timeout_s)
         for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(self._loop, *self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _pull(self) -> None:
         while True:
@@ -109,11 +123,13 @@ class JobsService:
                     await msg.ack()
                     return
                 result = await self._generate(job_id, msg)
-                await self.js.publish(subjects.jobs_result(job_id), encode_json(result))
+                # The header makes a retried publish (its ack lost) store nothing twice.
+                await self.js.publish(subjects.jobs_result(job_id), encode_json(result),
+                                      headers={"Nats-Msg-Id": f"result-{job_id}"})
                 await msg.ack()
             except Exception as exc:  # noqa: BLE001 - not acked: JetStream redelivers it
                 log.warning("job %s not finished (%s); it will be redelivered", job_id, exc)
-                await msg.nak(delay=2.0)
+                await msg.nak(delay=RETRY_DELAY_S)
             finally:
                 self.in_flight.discard(job_id)
 
@@ -129,18 +145,23 @@ class JobsService:
             body = msgspec.json.decode(msg.data)
             if not isinstance(body, dict):
                 raise ValueError("a job must be a JSON object")
-            body["id"] = job_id
+            # One request id per delivery: an abort of an interrupted attempt must not reach the next.
+            body["id"] = f"{job_id}~{msg.metadata.num_delivered}"
         except (msgspec.DecodeError, ValueError) as exc:
             return JobResult(job_id, "error", error=f"malformed job: {exc}")
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox)
         start = time.monotonic()
+        reconnects = self.nc.stats["reconnects"]
         tokens: list[int] = []
         text: list[str] = []
         try:
             await self.nc.publish(subjects.GENERATE, msgspec.json.encode(body), reply=inbox)
             while True:
-                event = msgspec.json.decode((await sub.next_msg(timeout=IDLE_EVENT_TIMEOUT_S)).data)
+                event = await self._next_event(sub, reconnects)
+                if event is None:
+                    await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(body["id"])))
+                    raise Interrupted("the connection to NATS dropped during the generation")
                 await msg.in_progress()  # keep JetStream from redelivering a long job
                 tokens.extend(event.get("token_ids") or [])
                 text.append(event.get("text") or "")
@@ -150,3 +171,20 @@ class JobsService:
                                      {"latency_s": round(time.monotonic() - start, 6)})
         finally:
             await sub.unsubscribe()
+
+    async def _next_event(self, sub, reconnects: int) -> dict | None:
+        """The next event of a generation, or None once this connection has reconnected since it
+        began (then nothing it received can be trusted whole). Nothing for IDLE_EVENT_TIMEOUT_S
+        raises (the job is then retried)."""
+        deadline = time.monotonic() + IDLE_EVENT_TIMEOUT_S
+        while self.nc.stats["reconnects"] == reconnects:
+            try:
+                data = (await sub.next_msg(timeout=1.0)).data
+            except NatsTimeout:
+                if time.monotonic() > deadline:
+                    raise
+                continue
+            if self.nc.stats["reconnects"] != reconnects:
+                return None
+            return msgspec.json.decode(data)
+        return None

@@ -9,9 +9,12 @@ through a queue group; each replica owns the requests it accepted.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import msgspec
@@ -20,9 +23,11 @@ from nats.aio.msg import Msg
 
 from core.detokenize import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
+from services.bus import on_reconnect
 from services.tokenizer.telemetry import RequestTrace, TokenizerTelemetry
 from shared import subjects
-from shared.api import GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json, event_logprobs
+from shared.api import (AbortRequest, GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json,
+                        event_logprobs)
 from shared.codec import Codec
 from shared.messages import Cancel, IterationOutputs, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
@@ -30,6 +35,15 @@ from shared.telemetry import SnapshotPublisher
 
 log = logging.getLogger("orca.tokenizer")
 outputs_codec = Codec(IterationOutputs)
+
+RECONNECT_GRACE_S = 2.0
+"""After NATS comes back, wait this long before ending the interrupted requests: their clients
+reconnect too (nats.py retries every 0.5-2 s) and must have their reply subjects back first."""
+RECENT_SUBMISSIONS = 10_000
+"""Submissions remembered for a 'no responders' answer (it comes within a round trip, if at all)."""
+INTERRUPTED = "the message bus (NATS) restarted while this request ran; its output may be incomplete"
+SHUTTING_DOWN = "this orca-serve instance is shutting down; retry later"
+NO_ADMISSION = "no admission service is listening; retry later"
 
 
 @dataclass
@@ -49,17 +63,29 @@ class TokenizerService:
         self.vocab_size = vocab_size
         self.instance = instance or uuid.uuid4().hex[:12]
         self.active: dict[str, ActiveRequest] = {}
+        # Submissions carry a reply subject only so that NATS answers "no responders" when no
+        # admission service listens (it restarts, or NATS just did): the request then ends at once.
+        self.bounce_inbox = nc.new_inbox()
+        self.submissions: OrderedDict[str, str] = OrderedDict()  # token in the reply subject -> request id
+        self._submission_ids = itertools.count()
+        self.draining = False
+        self._tasks: set[asyncio.Task] = set()
         self.telemetry = TokenizerTelemetry(model_name)
         self.metrics = SnapshotPublisher(nc, self.telemetry.snapshot)
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.GENERATE, queue=subjects.TOKENIZER_QUEUE, cb=self.on_generate)
         await self.nc.subscribe(subjects.detok(self.instance), cb=self.on_outputs)
+        await self.nc.subscribe(f"{self.bounce_inbox}.*", cb=self.on_bounce)
+        on_reconnect(self.nc, self.on_reconnected)
         self.metrics.start()
 
     async def on_generate(self, msg: Msg) -> None:
         if not msg.reply:
             log.warning("generate request without a reply subject dropped")
+            return
+        if self.draining:
+            await self._publish(msg.reply, GenerateEvent(_id_of(msg.data), [], "", "error", error=SHUTTING_DOWN))
             return
         arrival_ns = time.time_ns()
         try:
@@ -79,7 +105,7 @@ class TokenizerService:
             msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
                                      trace_context=self.telemetry.traceparent(trace))
-        await self.nc.publish(subjects.ADMISSION_SUBMIT, Codec.encode(tokenized))
+        await self._submit(tokenized)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -122,6 +148,62 @@ class TokenizerService:
 
     async def _publish(self, subject: str, event: GenerateEvent) -> None:
         await self.nc.publish(subject, encode_json(event))
+
+    # ---- failures: admission away, NATS restarted, shutting down -------------------------------
+
+    async def _submit(self, tokenized: TokenizedRequest) -> None:
+        token = str(next(self._submission_ids))
+        self.submissions[token] = tokenized.request_id
+        while len(self.submissions) > RECENT_SUBMISSIONS:
+            self.submissions.popitem(last=False)
+        await self.nc.publish(subjects.ADMISSION_SUBMIT, Codec.encode(tokenized), reply=f"{self.bounce_inbox}.{token}")
+
+    async def on_bounce(self, msg: Msg) -> None:
+        """NATS' 503 "no responders" to a submission: no admission service received it."""
+        request_id = self.submissions.pop(msg.subject.rsplit(".", 1)[-1], None)
+        state = self.active.pop(request_id, None) if request_id is not None else None
+        if state is not None:
+            await self._end_with_error(request_id, state, NO_ADMISSION)
+
+    def on_reconnected(self) -> None:
+        """Engine outputs sent to this instance while NATS was away are lost, so no request in flight
+        can be trusted to finish whole: each ends with an error event (never a silently cut output),
+        after a grace period that lets its client resubscribe, and is aborted to free its KV."""
+        interrupted = list(self.active.items())
+        self.active.clear()
+        if interrupted:
+            log.warning("NATS reconnected: ending %d interrupted requests with an error", len(interrupted))
+            task = asyncio.get_running_loop().create_task(self._end_later(interrupted))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _end_later(self, interrupted: list[tuple[str, ActiveRequest]]) -> None:
+        await asyncio.sleep(RECONNECT_GRACE_S)
+        for request_id, state in interrupted:
+            await self._end_with_error(request_id, state, INTERRUPTED)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop gracefully: refuse new requests (an error event says why), let those in flight finish
+        for up to `timeout_s`, then end the rest with an error."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for request_id, state in list(self.active.items()):
+            del self.active[request_id]
+            await self._end_with_error(request_id, state, SHUTTING_DOWN)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.nc.flush(timeout=5)
+
+    async def _end_with_error(self, request_id: str, state: ActiveRequest, error: str) -> None:
+        """The final event of a request this instance gives up on (the caller removed it from
+        `active`); the abort frees whatever admission or an engine still holds of it."""
+        self.telemetry.on_final(state.trace, FinishReason.ERROR, len(state.prompt_token_ids), state.num_generated,
+                                error)
+        await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id)))
+        await self._publish(state.reply, GenerateEvent(
+            request_id, [], state.detokenizer.flush(), "error", error=error,
+            usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids))
 
 
 def _id_of(data: bytes) -> str | None:
