@@ -1,0 +1,62 @@
+"""One `orca serve` for all the reliability tests (starting one costs tens of seconds): a real
+nats-server the tests kill and restart, a real local Ray, the Ray Serve gateway, one engine
+replica with a short step timeout, and the test-only fault injection file (ORCA_TEST_FAULT_FILE).
+The drain test stops it, so it runs last."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.helpers import GatewayServe
+from tests.reliability.helpers import Broker
+
+STEP_TIMEOUT_S = 3.0
+"""Long enough for an iteration of the tiny model on a busy 2-core machine, short enough to test."""
+DRAIN_TIMEOUT_S = 20.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The drain test stops the shared stack: move it after every other reliability test."""
+    last = [item for item in items if item.get_closest_marker("stops_stack")]
+    items[:] = [item for item in items if item not in last] + last
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "stops_stack: stops the shared reliability stack (runs last)")
+
+
+@dataclass
+class Stack:
+    serve: GatewayServe
+    broker: Broker
+    fault_file: Path
+
+    @property
+    def nats_url(self) -> str:
+        return self.broker.url
+
+    @property
+    def http_url(self) -> str:
+        return self.serve.http_url
+
+
+@pytest.fixture(scope="session")
+def stack(demo_model, tmp_path_factory) -> Stack:
+    base = tmp_path_factory.mktemp("reliability")
+    (base / "nats").mkdir()
+    broker = Broker(base / "nats").start()
+    fault_file = base / "fault"
+    os.environ["ORCA_TEST_FAULT_FILE"] = str(fault_file)  # inherited by orca serve, Ray and the workers
+    try:
+        serve = GatewayServe(["--model", demo_model, "--nats-url", broker.url, "--max-num-seqs", "4",
+                              "--kv-cache-tokens", "8192", "--worker-threads", "1",
+                              "--step-timeout", str(STEP_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S)])
+    finally:
+        del os.environ["ORCA_TEST_FAULT_FILE"]
+    yield Stack(serve, broker, fault_file)
+    serve.stop()
+    broker.stop()

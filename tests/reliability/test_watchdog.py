@@ -1,0 +1,60 @@
+"""Issue #10, item 7: a hung forward pass. The worker process is stopped (SIGSTOP): alive but
+silent, as a worker stuck in a kernel or a collective is, so only the engine master's step
+watchdog (`--step-timeout`) can see it. It is then handled as a dead worker: Ray restarts it and
+the requests resume by recompute, with the same tokens as if nothing had happened."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.reliability.conftest import STEP_TIMEOUT_S
+from tests.reliability.helpers import connect, greedy_outputs, long_requests, run, stream, tokens_of, wait_for_health
+from tests.services.stack import engine_statuses, worker_pids
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_model):
+    bodies = long_requests("hung", 3, 60)
+    expected = greedy_outputs(demo_model, bodies)
+    [victim] = worker_pids(stack.serve)
+
+    async def go() -> dict:
+        nc = await connect(stack.nats_url)
+        figures: dict[str, float] = {}
+        async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as client:
+            assert (await client.get("/health")).status_code == 200
+            tasks = [asyncio.create_task(stream(nc, b, timeout_s=120)) for b in bodies]
+            await asyncio.sleep(0.5)  # tokens are flowing
+            os.kill(victim, signal.SIGSTOP)
+            hung_at = time.monotonic()
+            figures["detected_s"] = await wait_for_health(client, 503, STEP_TIMEOUT_S + 10)
+            asked = time.monotonic()
+            refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            figures["refused_in_s"] = time.monotonic() - asked
+            assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+            await wait_for_health(client, 200, 120)
+            figures["recovered_s"] = time.monotonic() - hung_at
+            results = await asyncio.gather(*tasks)
+            figures["all_finished_s"] = time.monotonic() - hung_at
+            after = await client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 4})
+            assert after.status_code == 200, after.text
+        await nc.close()
+        return {"figures": figures, "results": results}
+
+    out = run(go(), 240)
+    print("hung forward pass:", {k: round(v, 2) for k, v in out["figures"].items()})
+    for body, events in zip(bodies, out["results"]):
+        assert events[-1]["finish_reason"] == "length", events[-1]
+        assert tokens_of(events) == expected[body["id"]], body["id"]
+    assert out["figures"]["detected_s"] < STEP_TIMEOUT_S + 5
+    assert out["figures"]["refused_in_s"] < 1.0
+    assert victim not in worker_pids(stack.serve) and len(worker_pids(stack.serve)) == 1, "Ray restarted it"
+    statuses = run(engine_statuses(stack.nats_url), 30)
+    assert statuses and all(s.ready and s.kv_used_blocks == 0 for s in statuses.values())
