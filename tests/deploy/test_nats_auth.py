@@ -96,22 +96,28 @@ class User:
         return self.denied()
 
 
-async def published(server, monkeypatch, publisher: str, subject: str, observer: str) -> tuple[bool, bool]:
+async def published(server, monkeypatch, publisher: str, subject: str, observer: str,
+                    tries: int) -> tuple[bool, bool]:
     """Whether `observer` (a user allowed to subscribe there) receives what `publisher` publishes
-    to `subject`, and whether the server refused the publisher."""
+    to `subject` (published up to `tries` times, 0.3 s apart), and whether the server refused the
+    publisher. Retried: here, with this config, a fresh connection's first message is now and then
+    (about 1 in 150) not delivered, while the next one is (not seen without authorization)."""
     watcher = await User.connect(server, observer, monkeypatch)
     sender = await User.connect(server, publisher, monkeypatch)
     try:
         sub = await watcher.nc.subscribe(subject)
         await watcher.nc.flush()
         assert not watcher.denied(), watcher.errors
-        await sender.nc.publish(subject, b"probe")
-        await sender.nc.flush()  # the server answers a refused PUB before the PONG
-        try:
-            await sub.next_msg(timeout=0.3)
-            got = True
-        except nats.errors.TimeoutError:
-            got = False
+        got = False
+        for _ in range(tries):
+            await sender.nc.publish(subject, b"probe")
+            await sender.nc.flush()  # the server answers a refused PUB before the PONG
+            try:
+                await sub.next_msg(timeout=0.3)
+                got = True
+                break
+            except nats.errors.TimeoutError:
+                pass
         return got, await sender.refused(timeout_s=0.1 if got else 2.0)
     finally:
         await sender.nc.close()
@@ -162,13 +168,13 @@ DENIED = [
 
 @pytest.mark.parametrize("publisher,subject,observer", ALLOWED)
 def test_service_user_may_publish_what_it_needs(server, monkeypatch, publisher, subject, observer):
-    got, denied = asyncio.run(published(server, monkeypatch, publisher, subject, observer))
+    got, denied = asyncio.run(published(server, monkeypatch, publisher, subject, observer, tries=10))
     assert got and not denied
 
 
 @pytest.mark.parametrize("publisher,subject,observer", DENIED)
 def test_user_may_not_publish_elsewhere(server, monkeypatch, publisher, subject, observer):
-    got, denied = asyncio.run(published(server, monkeypatch, publisher, subject, observer))
+    got, denied = asyncio.run(published(server, monkeypatch, publisher, subject, observer, tries=1))
     assert denied and not got
 
 
@@ -218,8 +224,15 @@ def test_tokenizer_streams_events_to_reply_subjects_only(server, monkeypatch):
             await tokenizer.nc.flush()
             inbox = client.nc.new_inbox()
             events = await client.nc.subscribe(inbox)
-            await client.nc.publish(subjects.GENERATE, b"{}", reply=inbox)
-            received = [await events.next_msg(timeout=2) for _ in range(20)]
+            received = []
+            for _ in range(10):  # see published(): a first message may need a second try
+                await client.nc.publish(subjects.GENERATE, b"{}", reply=inbox)
+                try:
+                    received.append(await events.next_msg(timeout=0.5))
+                    break
+                except nats.errors.TimeoutError:
+                    pass
+            received += [await events.next_msg(timeout=2) for _ in range(19)]
             await tokenizer.nc.publish(client.nc.new_inbox(), b"unsolicited")
             await tokenizer.nc.flush()
             return len(received), await tokenizer.refused()
@@ -230,18 +243,28 @@ def test_tokenizer_streams_events_to_reply_subjects_only(server, monkeypatch):
     assert count == 20 and denied
 
 
+async def retried(request, tries: int = 3):
+    """A NATS request, asked again on a timeout (see published())."""
+    for _ in range(tries - 1):
+        try:
+            return await request()
+        except nats.errors.TimeoutError:
+            pass
+    return await request()
+
+
 def test_producer_submits_jobs_and_reads_results_but_cannot_manage_streams(server, monkeypatch):
     async def run() -> None:
         jobs = await User.connect(server, "jobs", monkeypatch)
         client = await User.connect(server, "client", monkeypatch)
         try:
             await ensure_streams(jobs.nc)  # as the jobs service does at start
-            ack = await client.nc.jetstream().publish(subjects.JOBS_SUBMIT, b'{"id": "j1"}',
-                                                      headers={"Nats-Msg-Id": "j1"})
+            ack = await retried(lambda: client.nc.jetstream().publish(
+                subjects.JOBS_SUBMIT, b'{"id": "j1"}', headers={"Nats-Msg-Id": "j1"}))  # deduplicated by id
             assert ack.stream == subjects.JOBS_STREAM
-            await jobs.nc.jetstream().publish(subjects.jobs_result("j1"), b'{"id": "j1"}')
-            result = await client.nc.jetstream().get_last_msg(subjects.JOBS_RESULTS_STREAM,
-                                                              subjects.jobs_result("j1"))
+            await retried(lambda: jobs.nc.jetstream().publish(subjects.jobs_result("j1"), b'{"id": "j1"}'))
+            result = await retried(lambda: client.nc.jetstream().get_last_msg(
+                subjects.JOBS_RESULTS_STREAM, subjects.jobs_result("j1")))
             assert result.data == b'{"id": "j1"}'
             with pytest.raises(nats.errors.TimeoutError):
                 await client.nc.request(f"$JS.API.STREAM.DELETE.{subjects.JOBS_STREAM}", b"", timeout=0.5)
