@@ -105,7 +105,10 @@ class MultiprocExecutor:
         self.tp, self.pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         self.depth = self.pp
         self.step_timeout_s = step_timeout_s
-        context = mp.get_context("spawn")  # fork would copy this process's torch threads and state
+        # Not fork: it would copy this process's torch thread pools and state. A fork server that
+        # has imported torch and the model code once starts each worker in a fraction of a second.
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(["__main__", "torch", "model.runner", "engine.executor"])
         self.results = context.Queue()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, (os.cpu_count() or 1) // (self.tp * self.pp))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -54,6 +55,30 @@ def iter_weights(model_dir: Path, arch: ArchConfig, groups: ParallelGroups,
                 yield name, (cut(source) if cut is not None else f.get_tensor(name))
 
 
+@contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Module constructors initialize their weights at random, which the checkpoint overwrites
+    anyway; on the meta device that init even imports torch's compiler stack (seconds)."""
+    names = ("uniform_", "normal_", "kaiming_uniform_", "trunc_normal_", "constant_", "ones_", "zeros_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: str) -> None:
+    """Real (uninitialized) storage for each meta parameter. Not `to_empty`: on meta tensors it
+    goes through torch's reference implementations, which import sympy (seconds per process)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                    requires_grad=False)
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, max_positions: int | None = None,
                groups: ParallelGroups | None = None) -> tuple[nn.Module, ArchConfig]:
     """The model, or with `groups` this worker's part of it: its pipeline stage's layers, each
@@ -63,11 +88,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str, max_posit
     arch = load_arch_config(model_dir)
     positions = max_positions or arch.context_len
     cls = GPT2LMHeadModel if arch.is_gpt2 else LlamaForCausalLM
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = cls(arch, positions)
         keep_stage(model, arch, groups.rank)
         shard_layers(model, arch, groups)
-    model = model.to(dtype).to_empty(device=device)
+    _materialize(model, dtype, device)
     for param in model.parameters():
         param.data.fill_(float("nan"))  # any weight the checkpoint lacks shows up below
     for name, tensor in iter_weights(model_dir, arch, groups, lambda n: is_local_weight(model, arch, n)):

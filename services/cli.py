@@ -64,8 +64,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config_from_args(args))
     source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
-    with source, sink:
-        counts = run_batch(engine, source, sink, progress=not args.no_progress)
+    try:
+        with source, sink:
+            counts = run_batch(engine, source, sink, progress=not args.no_progress)
+    finally:
+        engine.close()  # worker processes under -tp/-pp
     print(f"{counts['requests']} requests, {counts['errors']} errors -> {args.output}", file=sys.stderr)
     return 0
 

@@ -38,6 +38,7 @@ SERVICE_ENV_VARS: dict[str, str] = {
     "ORCA_NATS_PASSWORD": "that user's password (never logged); unset: ORCA_NATS_<USER>_PASSWORD",
     "ORCA_API_KEY": "bearer token the HTTP gateway requires (unset: no auth)",
     "ORCA_CACHE_DIR": "where `orca serve` makes the demo model (default ~/.cache/orca-serve)",
+    "ORCA_TEST_FAULT_FILE": "tests only: a file there makes a worker's next step fail (`raise`) or hang (`hang <s>`)",
 }
 """The service settings read here, with what each means (the README's table lists the same)."""
 
@@ -120,3 +121,10 @@ def nats_credentials() -> tuple[str, str] | None:
 def api_key() -> str | None:
     """ORCA_API_KEY: the bearer token the HTTP gateway requires (unset or empty: no auth)."""
     return os.environ.get("ORCA_API_KEY") or None
+
+
+def fault_injection_file() -> Path | None:
+    """ORCA_TEST_FAULT_FILE (tests only): a path workers look at before each step; a file there
+    makes one step fail ("raise") or hang ("hang <seconds>"), and is removed when it fires."""
+    path = os.environ.get("ORCA_TEST_FAULT_FILE")
+    return Path(path) if path else None

@@ -63,6 +63,10 @@ class EngineStatus(msgspec.Struct, frozen=True):
     """Sum of iteration wall times (schedule, step message, worker, result, update, publish)."""
     execute_seconds: float = 0.0
     """Sum of the workers' time in the model runner; the difference is control overhead."""
+    pipeline_depth: int = 1
+    """Iterations the engine may keep in flight (its pipeline stages)."""
+    max_batches_in_flight: int = 0
+    """The most iterations it has had in flight at once since it started."""
 
 
 class Cancel(msgspec.Struct, frozen=True):

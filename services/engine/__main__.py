@@ -23,6 +23,9 @@ def main() -> int:
     parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
     parser.add_argument("--replica", default="0", help="this replica's name (unique per engine)")
     parser.add_argument("--worker-threads", type=int, default=None)
+    parser.add_argument("--step-timeout", type=float, default=120.0,
+                        help="an iteration with no result within this many seconds counts as a dead worker")
+    parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     setup_logging(args.log_level)
@@ -39,7 +42,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     master = ray.remote(EngineMasterActor).options(name=f"orca-engine-{args.replica}", num_cpus=0,
                                                    max_concurrency=64).remote(
-        config, args.nats_url, args.replica, worker_threads=args.worker_threads)
+        config, args.nats_url, args.replica, worker_threads=args.worker_threads, worker_cpus=args.worker_cpus,
+        step_timeout_s=args.step_timeout)
     running = master.run.remote()
     print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
     while not stop["now"]:

@@ -1,4 +1,5 @@
-"""The engine master as a Ray actor: it starts its workers as Ray actors and runs the loop."""
+"""The engine master as a Ray actor: it reserves a placement group for its tp x pp workers,
+starts them there as Ray actors, and runs the loop."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from model.arch import eos_token_ids, resolve_max_model_len
 from services.bus import connect, drain_quietly
 from services.engine.master import EngineMaster
+from services.engine.placement import reserve_workers, worker_bundle
 from services.engine.worker import Worker
 from services.engine.workers import RayWorkerGroup
 from shared.config import EngineConfig
@@ -24,13 +26,29 @@ class EngineMasterActor:
     async def run(self) -> None:
         import ray
 
-        max_model_len = resolve_max_model_len(self.config.model.model, self.config.model.max_model_len)
-        worker = ray.remote(Worker).options(
-            name=f"orca-worker-{self.replica}-0", max_restarts=-1, max_task_retries=0,
-            num_cpus=self.worker_cpus, max_concurrency=16,
-        ).remote(self.config, self.nats_url, self.replica, max_model_len, self.worker_threads)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from engine.executor import check_parallel
+        from model.arch import load_arch_config
+
+        model = self.config.model
+        max_model_len = resolve_max_model_len(model.model, model.max_model_len)
+        check_parallel(load_arch_config(model.model), self.config)
+        world = self.config.parallel.world_size
+        bundle = worker_bundle(model.device, self.worker_cpus)
+        group = await asyncio.to_thread(reserve_workers, world, bundle, what=f"engine {self.replica} "
+                                f"(tp={self.config.parallel.tensor_parallel_size} "
+                                f"pp={self.config.parallel.pipeline_parallel_size})")
+        workers = [
+            ray.remote(Worker).options(
+                name=f"orca-worker-{self.replica}-{rank}", max_restarts=-1, max_task_retries=0,
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=16,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            ).remote(self.config, self.nats_url, self.replica, max_model_len, self.worker_threads, rank)
+            for rank in range(world)
+        ]
         nc = await connect(self.nats_url, f"orca-engine-{self.replica}")
-        self.master = EngineMaster(self.config, self.replica, nc, RayWorkerGroup([worker]),
+        self.master = EngineMaster(self.config, self.replica, nc, RayWorkerGroup(workers),
                                    max_model_len=max_model_len,
                                    eos_token_ids=eos_token_ids(self.config.model.model),
                                    step_timeout_s=self.step_timeout_s)
@@ -49,5 +67,5 @@ class EngineMasterActor:
     async def kv_used_blocks(self) -> int:
         return self.master.scheduler.kv_cache.num_used_blocks if self.master else -1
 
-    async def iteration_log(self) -> list[tuple[int, list[str]]]:
-        return self.master.iteration_log if self.master else []
+    async def iteration_log(self) -> list[tuple[int, list[str], list[int]]]:
+        return list(self.master.iteration_log) if self.master else []

@@ -4,6 +4,10 @@ Every iteration: schedule (the pure core), send one step message to the workers,
 one result message, update, then publish the new tokens (one message per tokenizer
 instance) and the engine's status (for admission). Admits and cancels arrive between
 iterations on the same event loop, so the scheduler is only ever touched by one task.
+
+With pipeline parallelism the loop keeps up to one iteration per stage in flight, each with
+different requests (the scheduler leaves out requests in flight), and applies the results
+in order: while the last stage works on one batch, the first already works on the next.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -34,10 +39,20 @@ log = logging.getLogger("orca.engine")
 admit_codec, cancel_codec, result_codec = Codec(Admit), Codec(Cancel), Codec(StepResult)
 RECENT_CANCELS = 10_000
 MAX_RESUMES = 2
+ITERATION_LOG_LENGTH = 10_000
 
 
 class StepFailed(Exception):
     pass
+
+
+@dataclass
+class InFlight:
+    """An iteration sent to the workers whose result has not been applied yet."""
+
+    output: SchedulerOutput
+    result: asyncio.Future[StepResult]
+    started: float  # time.perf_counter() when it was scheduled
 
 
 class EngineMaster:
@@ -56,16 +71,20 @@ class EngineMaster:
         self.last_admit_sequence = 0
         self.ready = False
         self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
-        self.iteration_log: list[tuple[int, list[str]]] = []
+        self.pipeline_depth = config.parallel.pipeline_parallel_size
+        self.iteration_log: deque[tuple[int, list[str], list[int]]] = deque(maxlen=ITERATION_LOG_LENGTH)
+        """The latest iterations: (iteration, its requests, the iterations in flight when it was sent)."""
         self._wake = asyncio.Event()
-        self._results: dict[int, asyncio.Future[StepResult]] = {}
+        self._in_flight: deque[InFlight] = deque()
+        self.max_batches_in_flight = 0
 
     def _new_scheduler(self) -> Scheduler:
         s, c = self.config.scheduler, self.config.cache
         return Scheduler(make_policy(s.policy), KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching),
                          max_num_seqs=s.max_num_seqs,
                          max_num_batched_tokens=s.max_num_batched_tokens or max(self.max_model_len, 8192),
-                         max_model_len=self.max_model_len, enable_chunked_prefill=s.enable_chunked_prefill)
+                         max_model_len=self.max_model_len, enable_chunked_prefill=s.enable_chunked_prefill,
+                         pipeline_depth=self.config.parallel.pipeline_parallel_size)
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.engine_admit(self.replica), cb=self.on_admit)
@@ -79,7 +98,7 @@ class EngineMaster:
         self.ready = True
         await self.publish_status()
         while not stop.is_set():
-            if not self.scheduler.has_unfinished:
+            if not self.scheduler.has_unfinished and not self._in_flight:
                 await self._idle(stop)
                 continue
             try:
@@ -90,32 +109,64 @@ class EngineMaster:
         await self.publish_status()
 
     async def step(self) -> None:
-        start = time.perf_counter()
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            await asyncio.sleep(0)
+        """Fill the pipeline, then apply the oldest iteration's result (or, while the pipeline
+        has room, return early when a new request arrives, so it can join at once)."""
+        while len(self._in_flight) < self.pipeline_depth:
+            started = time.perf_counter()
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.is_empty:
+                break
+            await self._send(scheduler_output, started)
+        if not self._in_flight:
+            await self._idle_briefly()  # requests wait for room that in-flight work will free
             return
-        result = await self.execute(scheduler_output)
+        oldest = self._in_flight[0]
+        room = len(self._in_flight) < self.pipeline_depth
+        result = await self._wait(oldest, interruptible=room)
+        if result is None:
+            return
+        self._in_flight.popleft()
+        if result.error is not None or result.output is None:
+            error = result.error or "worker returned no output"
+            if self.config.parallel.world_size > 1 and await self.workers.lost_a_worker(grace_s=5.0):
+                raise WorkerDied(f"a worker died ({error})")
+            raise StepFailed(error)
+        await self._finish_iteration(oldest.output, result, oldest.started)
+
+    async def _send(self, scheduler_output: SchedulerOutput, started: float) -> None:
+        future = asyncio.get_running_loop().create_future()
+        self._in_flight.append(InFlight(scheduler_output, future, started))
+        self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
+        self.iteration_log.append((scheduler_output.iteration, [s.request_id for s in scheduler_output.scheduled],
+                                   [f.output.iteration for f in self._in_flight]))
+        await self.nc.publish(subjects.engine_step(self.replica), Codec.encode(scheduler_output))
+
+    async def _wait(self, in_flight: InFlight, interruptible: bool) -> StepResult | None:
+        timeout = max(0.0, in_flight.started + self.step_timeout_s - time.perf_counter())
+        if not interruptible:
+            return await self.workers.wait(in_flight.result, timeout)
+        self._wake.clear()
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            return await self.workers.wait(in_flight.result, timeout, interrupt=woken)
+        finally:
+            woken.cancel()
+
+    async def _finish_iteration(self, scheduler_output: SchedulerOutput, result: StepResult, started: float) -> None:
         events = self.scheduler.update(scheduler_output, result.output)
-        self.telemetry.on_iteration(scheduler_output, result, events, start)
-        self.iteration_log.append((scheduler_output.iteration, [s.request_id for s in scheduler_output.scheduled]))
+        self.telemetry.on_iteration(scheduler_output, result, events, started)
         await self.publish_outputs(events)
         self.steps += 1
-        self.step_seconds += time.perf_counter() - start
+        self.step_seconds += time.perf_counter() - started
         self.execute_seconds += result.execute_s
         await self.publish_status()
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> StepResult:
-        future = asyncio.get_running_loop().create_future()
-        self._results[scheduler_output.iteration] = future
+    async def _idle_briefly(self) -> None:
+        self._wake.clear()
         try:
-            await self.nc.publish(subjects.engine_step(self.replica), Codec.encode(scheduler_output))
-            result = await self.workers.wait(future, self.step_timeout_s)
-        finally:
-            self._results.pop(scheduler_output.iteration, None)
-        if result.error is not None or result.output is None:
-            raise StepFailed(result.error or "worker returned no output")
-        return result
+            await asyncio.wait_for(self._wake.wait(), timeout=0.05)
+        except asyncio.TimeoutError:
+            pass
 
     async def _idle(self, stop: asyncio.Event) -> None:
         self._wake.clear()
@@ -129,11 +180,16 @@ class EngineMaster:
         they resume by recompute once Ray has restarted it, with the tokens they already have
         (a request that already resumed MAX_RESUMES times ends with an error instead). If the
         forward pass raised, every request on this engine ends with a clear error. Either way
-        the workers are brought back and the engine serves again."""
+        the worker processes are restarted (a process whose forward pass raised is not trusted:
+        a CUDA error poisons its context, a half-written KV cache its state) and the engine
+        serves again."""
         log.error("engine %s: step failed: %s", self.replica, exc)
         self.ready = False
         await self.publish_status()
         message = f"engine {self.replica} failed: {exc}"
+        for lost in self._in_flight:
+            lost.result.cancel()
+        self._in_flight.clear()
         if isinstance(exc, WorkerDied):
             for rid in self.scheduler.preempt_all():
                 self.resumes[rid] = self.resumes.get(rid, 0) + 1
@@ -144,7 +200,7 @@ class EngineMaster:
         for rid in doomed:
             self.resumes.pop(rid, None)
         await self.publish_outputs(events)
-        await self.workers.restart(hard=isinstance(exc, WorkerDied))
+        await self.workers.restart(hard=True)
         self.incarnation = uuid.uuid4().hex[:12]
         self.last_admit_sequence = 0
         self.ready = True
@@ -193,9 +249,9 @@ class EngineMaster:
 
     async def on_result(self, msg: Msg) -> None:
         result = result_codec.decode(msg.data)
-        future = self._results.get(result.iteration)
-        if future is not None and not future.done():
-            future.set_result(result)
+        for in_flight in self._in_flight:
+            if in_flight.output.iteration == result.iteration and not in_flight.result.done():
+                in_flight.result.set_result(result)
 
     # ---- messages out --------------------------------------------------------------------
 
@@ -223,7 +279,8 @@ class EngineMaster:
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.max_model_len,
             last_admit_sequence=self.last_admit_sequence, iteration=self.scheduler.iteration,
             kv_used_blocks=kv.num_used_blocks, num_preemptions=self.scheduler.num_preemptions, steps=self.steps, step_seconds=self.step_seconds,
-            execute_seconds=self.execute_seconds,
+            execute_seconds=self.execute_seconds, pipeline_depth=self.pipeline_depth,
+            max_batches_in_flight=self.max_batches_in_flight,
         )
 
     async def publish_status(self) -> None:

@@ -1,18 +1,25 @@
 """A worker: one device's model shard, KV cache and sampler, driven by step messages.
 
 Ray owns its lifecycle (it restarts one that dies); the engine master drives it with one
-step message per iteration on NATS and gets one result message back.
+step message per iteration on NATS. Under tensor/pipeline parallelism every worker of the
+engine gets every step and runs its stage's part of it, exchanging tensors with its peers
+over torch.distributed; only the output rank answers, with one result message. A worker
+that fails a step answers too (with the error), so the master never waits out a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import traceback
+from pathlib import Path
 
 from core.batch import SchedulerOutput, StepResult
-from shared import subjects
+from model.distributed import ParallelRank
+from shared import env, subjects
 from shared.codec import Codec
 from shared.config import EngineConfig
 
@@ -22,29 +29,40 @@ step_codec = Codec(SchedulerOutput)
 
 class Worker:
     def __init__(self, config: EngineConfig, nats_url: str, replica: str, max_model_len: int,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, rank: int = 0) -> None:
         self.config, self.nats_url, self.replica = config, nats_url, replica
         self.max_model_len = max_model_len
         self.num_threads = num_threads
+        parallel = config.parallel
+        self.rank = ParallelRank.of(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.runner = None
+        self.fault_file = env.fault_injection_file()  # tests only; None in production
         self._subscribed = asyncio.Event()
         self._steps: asyncio.Queue = asyncio.Queue()
 
-    async def load(self) -> None:
-        if self.runner is None:
-            self.runner = await asyncio.to_thread(self._build_runner)
+    def rendezvous_address(self) -> str:
+        """A tcp:// address on this worker's node for the engine's torch.distributed group."""
+        import ray
 
-    def _build_runner(self):
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
+
+    async def load(self, init_method: str = "") -> None:
+        if self.runner is None:
+            self.runner = await asyncio.to_thread(self._build_runner, init_method)
+
+    def _build_runner(self, init_method: str):
         import torch
 
-        from model.runner import ModelRunner
+        from engine.executor import RunnerArgs
+        from model.distributed import init_distributed
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
-        m, c = self.config.model, self.config.cache
-        return ModelRunner(m.model, dtype=m.dtype, device=m.device, num_blocks=c.num_blocks,
-                           block_size=c.block_size, max_model_len=self.max_model_len, seed=m.seed,
-                           kernel_backend=m.kernel_backend)
+        groups = init_distributed(self.rank, init_method, self.config.model.device)
+        return RunnerArgs.of(self.config, self.max_model_len).build(groups)
 
     async def wait_subscribed(self) -> None:
         await self._subscribed.wait()
@@ -55,7 +73,7 @@ class Worker:
 
         if self._subscribed.is_set():
             return  # already serving: one loop per worker
-        nc = await connect(self.nats_url, f"orca-worker-{self.replica}")
+        nc = await connect(self.nats_url, f"orca-worker-{self.replica}-{self.rank.rank}")
         self.runner.requests.clear()  # a (re)start begins with no request state
         await nc.subscribe(subjects.engine_step(self.replica), cb=self._enqueue)
         self._subscribed.set()
@@ -63,7 +81,8 @@ class Worker:
             while True:
                 data = await self._steps.get()
                 result = await self._execute(data)
-                await nc.publish(subjects.engine_result(self.replica), Codec.encode(result))
+                if result is not None:
+                    await nc.publish(subjects.engine_result(self.replica), Codec.encode(result))
         finally:
             self._subscribed.clear()
             await nc.close()
@@ -71,15 +90,24 @@ class Worker:
     async def _enqueue(self, msg) -> None:
         await self._steps.put(msg.data)
 
-    async def _execute(self, data: bytes) -> StepResult:
+    async def _execute(self, data: bytes) -> StepResult | None:
         scheduler_output = step_codec.decode(data)
         start = time.perf_counter()
         try:
-            output = await asyncio.to_thread(self.runner.execute, scheduler_output)
+            output = await asyncio.to_thread(self._run, scheduler_output)
         except Exception as exc:  # noqa: BLE001 - any failure ends the iteration with an error, not a hang
-            log.error("step %d failed:\n%s", scheduler_output.iteration, traceback.format_exc())
-            return StepResult(scheduler_output.iteration, error=f"{type(exc).__name__}: {exc}")
+            log.error("rank %d: step %d failed:\n%s", self.rank.rank, scheduler_output.iteration,
+                      traceback.format_exc())
+            return StepResult(scheduler_output.iteration, error=f"rank {self.rank.rank}: {type(exc).__name__}: {exc}")
+        if output is None:
+            return None  # not the output rank
         return StepResult(scheduler_output.iteration, output, execute_s=time.perf_counter() - start)
+
+    def _run(self, scheduler_output: SchedulerOutput):
+        """The forward pass (in a thread), where a test's injected fault strikes."""
+        if self.fault_file is not None:
+            inject_fault(self.fault_file)
+        return self.runner.execute(scheduler_output)
 
     async def reset(self) -> None:
         """Drop all request state (the master failed every request after a bad step)."""
@@ -87,6 +115,18 @@ class Worker:
             self.runner.requests.clear()
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
+
+
+def inject_fault(path: Path) -> None:
+    """Tests only (ORCA_TEST_FAULT_FILE): a file at `path` makes this one step fail, and is removed
+    (so the fault fires once): "raise" raises in the forward pass, "hang <seconds>" blocks it."""
+    try:
+        command = path.read_text().split()
+        path.unlink()  # of several workers, only the one that removes it fails
+    except FileNotFoundError:
+        return
+    if command[:1] == ["hang"]:
+        time.sleep(float(command[1]))
+        return
+    raise RuntimeError(f"injected fault ({path})")

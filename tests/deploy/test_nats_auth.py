@@ -133,6 +133,7 @@ ALLOWED = [
     ("jobs", subjects.GENERATE, "tokenizer"),
     ("tokenizer", subjects.ADMISSION_SUBMIT, "admission"),
     ("tokenizer", subjects.CANCEL, "engine"),
+    ("tokenizer", subjects.ABORT, "admission"),  # ends what it held when NATS came back or at a drain
     ("admission", subjects.engine_admit("0"), "engine"),
     ("admission", subjects.ADMISSION_STATUS, "gateway"),
     ("admission", subjects.CANCEL, "engine"),

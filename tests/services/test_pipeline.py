@@ -40,9 +40,9 @@ def requests() -> list[dict]:
     return out
 
 
-def in_process(demo_model: str, bodies: list[dict]) -> dict[str, dict]:
-    engine = LLMEngine(EngineConfig(model=ModelConfig(model=demo_model), scheduler=SchedulerConfig(max_num_seqs=3),
-                                    cache=CacheConfig(kv_cache_tokens=8192)))
+def in_process(demo_model: str, bodies: list[dict], dtype: str = "auto") -> dict[str, dict]:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=demo_model, dtype=dtype),
+                                    scheduler=SchedulerConfig(max_num_seqs=3), cache=CacheConfig(kv_cache_tokens=8192)))
     out = io.StringIO()
     run_batch(engine, [json.dumps(b) for b in bodies], out, progress=False)
     return {r["id"]: r for r in map(json.loads, out.getvalue().splitlines())}

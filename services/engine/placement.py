@@ -1,0 +1,48 @@
+"""Reserve the devices of one engine's workers on the Ray cluster, or say what is missing.
+
+One bundle per worker (a GPU each on CUDA, a share of CPU here), packed onto as few nodes as
+possible so tensor-parallel peers share a node's fast links. A request the cluster can never
+satisfy fails at once with the numbers; one that is only busy waits up to `timeout_s`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class PlacementError(RuntimeError):
+    pass
+
+
+def worker_bundle(device: str, worker_cpus: float) -> dict[str, float]:
+    bundle = {"CPU": worker_cpus}
+    if device.startswith("cuda"):
+        bundle["GPU"] = 1.0
+    return bundle
+
+
+def missing_resources(needed: dict[str, float], total: dict[str, float]) -> dict[str, float]:
+    """What the cluster lacks, resource by resource, to hold `needed` at all."""
+    return {k: v - total.get(k, 0.0) for k, v in needed.items() if total.get(k, 0.0) + 1e-9 < v}
+
+
+def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, timeout_s: float = 60.0) -> Any:
+    """A ready placement group of `num_workers` bundles, or PlacementError saying what is missing."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    needed = {k: v * num_workers for k, v in bundle.items()}
+    lacking = missing_resources(needed, ray.cluster_resources())
+    if lacking:
+        have = {k: ray.cluster_resources().get(k, 0.0) for k in needed}
+        raise PlacementError(
+            f"{what} needs {num_workers} worker(s) of {bundle} = {needed} in all, but the Ray cluster has {have} "
+            f"(missing {lacking}); lower -tp/-pp or --worker-cpus, or add nodes")
+    group = placement_group([dict(bundle) for _ in range(num_workers)], strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise PlacementError(
+            f"{what}: no room for {num_workers} worker(s) of {bundle} after {timeout_s:.0f} s; the cluster has "
+            f"{ray.available_resources()} free now (other engines hold the rest)")
+    return group

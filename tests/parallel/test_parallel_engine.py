@@ -1,0 +1,99 @@
+"""Tensor and pipeline parallelism in process (`orca generate`'s engine): worker processes in a
+gloo group. Greedy float64 output must not depend on how the model is split."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from shared.sampling import SamplingParams
+from tests.services.stack import ROOT
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5 + 7 * i + j for j in range(3 + 9 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def demo_gpt2(tmp_path_factory) -> str:
+    from model.demo import make_demo_model
+
+    return str(make_demo_model(tmp_path_factory.mktemp("demo") / "demo-gpt2", arch="gpt2", size="tiny"))
+
+
+def engine(model: str, tp: int, pp: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=ModelConfig(model=model, dtype="float64"), scheduler=SchedulerConfig(max_num_seqs=4),
+        cache=CacheConfig(kv_cache_tokens=4096, block_size=8),
+        parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)))
+
+
+def generate(model: str, tp: int, pp: int) -> tuple[dict[str, list[int]], LLMEngine]:
+    e = engine(model, tp, pp)
+    e.record_iterations = True
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True))
+        tokens: dict[str, list[int]] = {}
+        while e.has_unfinished:
+            for delta in e.step():
+                if delta.finished:
+                    tokens[delta.completion.request_id] = delta.completion.token_ids
+    finally:
+        e.close()
+    assert e.kv_cache.num_used_blocks == 0
+    return tokens, e
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model, demo_gpt2) -> dict[str, dict[str, list[int]]]:
+    return {"llama": generate(demo_model, 1, 1)[0], "gpt2": generate(demo_gpt2, 1, 1)[0]}
+
+
+@pytest.mark.parametrize("arch,tp,pp", [
+    ("llama", 2, 1), ("llama", 1, 2), ("llama", 2, 2),
+    ("llama", 4, 1),  # 2 KV heads on 4 ranks: each KV head replicated on two
+    ("gpt2", 2, 1), ("gpt2", 1, 2), ("gpt2", 2, 2),
+])
+def test_greedy_output_does_not_depend_on_the_split(arch, tp, pp, reference, demo_model, demo_gpt2):
+    tokens, _ = generate(demo_model if arch == "llama" else demo_gpt2, tp, pp)
+    assert tokens == reference[arch]
+
+
+def test_two_stages_keep_two_batches_in_flight_with_different_requests(demo_model, reference):
+    tokens, e = generate(demo_model, 1, 2)
+    assert tokens == reference["llama"]
+    by_iteration = {out.iteration: {s.request_id for s in out.scheduled} for out in e.iterations}
+    pairs = [record for record in e.in_flight_log if len(record) == 2]
+    assert len(pairs) > len(e.in_flight_log) // 2, "the pipeline was mostly not full"
+    for first, second in pairs:
+        assert not by_iteration[first] & by_iteration[second], "a request was in two batches in flight"
+
+
+def test_orca_generate_with_tp_and_pp_writes_the_same_results(demo_model, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 12, "temperature": 0}) + "\n"
+                                for i, p in enumerate(["def main():", "import os", "class A:", "x = 1"])))
+
+    def run(*flags: str) -> list[dict]:
+        out = tmp_path / f"out{'-'.join(flags)}.jsonl"
+        done = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--model", demo_model,
+                               "--dtype", "float64", "--input", str(requests), "--output", str(out),
+                               "--no-progress", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return [{k: r[k] for k in ("id", "text", "token_ids", "finish_reason")}
+                for r in map(json.loads, out.read_text().splitlines())]
+
+    assert run("-tp", "2", "-pp", "2") == run()
+
+
+def test_a_split_the_model_does_not_allow_is_refused_before_any_worker_starts(demo_model):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        engine(demo_model, 3, 1)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=5 exceeds the model's 4 layers"):
+        engine(demo_model, 1, 5)
