@@ -96,6 +96,14 @@ class WorkerFailed(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class StageTimes:
+    step_s: float
+    """Wall time inside steps."""
+    recv_wait_s: float
+    """Of which waiting for the previous stage's activations (idle: a pipeline bubble)."""
+
+
 class MultiprocExecutor:
     """tp x pp worker processes; the engine keeps up to pp iterations in flight."""
 
@@ -134,13 +142,26 @@ class MultiprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         data = Codec.encode(scheduler_output)
         for pipe in self.pipes:
-            pipe.send_bytes(data)
+            pipe.send(("step", data))
 
     def collect(self) -> RunnerOutput:
         kind, rank, detail = self._next(self.step_timeout_s, "step")
         if kind != "result":
             raise WorkerFailed(f"worker {rank}: {detail}")
         return output_codec.decode(detail)
+
+    def stage_times(self) -> list[StageTimes]:
+        """Each worker's time in steps and waiting for the previous stage, in rank order
+        (call with nothing in flight)."""
+        for pipe in self.pipes:
+            pipe.send(("times", b""))
+        times: dict[int, StageTimes] = {}
+        while len(times) < len(self.pipes):
+            kind, rank, detail = self._next(60.0, "times")
+            if kind != "times":
+                raise WorkerFailed(f"worker {rank}: {detail}")
+            times[rank] = detail
+        return [times[rank] for rank in sorted(times)]
 
     def _next(self, timeout_s: float, what: str) -> tuple[str, int, object]:
         deadline = time.monotonic() + timeout_s
@@ -157,7 +178,7 @@ class MultiprocExecutor:
     def close(self) -> None:
         for pipe in self.pipes:
             try:
-                pipe.send_bytes(b"")
+                pipe.send(("stop", b""))
             except OSError:
                 pass
         for process in self.processes:
@@ -181,13 +202,23 @@ def _worker_main(rank: int, tp: int, pp: int, init_method: str, args: RunnerArgs
         results.put(("error", rank, traceback.format_exc()))
         return
     results.put(("ready", rank, None))
+    step_s = 0.0
     try:
-        while data := steps.recv_bytes():
+        while True:
+            kind, data = steps.recv()
+            if kind == "stop":
+                break
+            if kind == "times":
+                results.put(("times", rank, StageTimes(step_s, groups.recv_wait_s)))
+                continue
+            start = time.perf_counter()
             try:
                 output = runner.execute(step_codec.decode(data))
             except Exception:  # noqa: BLE001 - the engine turns it into an error for the batch
                 results.put(("error", rank, traceback.format_exc()))
                 continue
+            finally:
+                step_s += time.perf_counter() - start
             if output is not None:
                 results.put(("result", rank, Codec.encode(output)))
     except EOFError:

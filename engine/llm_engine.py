@@ -76,7 +76,9 @@ def model_eos_ids(model_dir: str, tokenizer: Tokenizer | None) -> tuple[int, ...
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, max_batches_in_flight: int | None = None) -> None:
+        """`max_batches_in_flight`: default one per pipeline stage; 1 runs the stages in turn
+        (benchmarks compare the two)."""
         self.config = config
         self.max_model_len = resolve_max_model_len(config.model.model, config.model.max_model_len)
         cache = config.cache
@@ -89,6 +91,7 @@ class LLMEngine:
             self.executor = LocalExecutor(runner or RunnerArgs.of(config, self.max_model_len).build())
         self.tokenizer = tokenizer or load_tokenizer(config.model.model)
         self.vocab_size = arch.vocab_size
+        self.max_batches_in_flight = max_batches_in_flight or self.executor.depth
         self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
         sched = config.scheduler
         self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -96,7 +99,7 @@ class LLMEngine:
             make_policy(sched.policy), self.kv_cache, max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens or max(self.max_model_len, 8192),
             max_model_len=self.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
-            pipeline_depth=self.executor.depth,
+            pipeline_depth=self.max_batches_in_flight,
         )
         self.completions: dict[str, Completion] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -156,7 +159,7 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[Delta]:
-        while len(self._in_flight) < self.executor.depth:
+        while len(self._in_flight) < self.max_batches_in_flight:
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
                 break

@@ -9,6 +9,7 @@ NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -64,6 +65,8 @@ class ParallelGroups:
 
     rank: ParallelRank = field(default_factory=ParallelRank)
     tp_group: dist.ProcessGroup | None = None
+    recv_wait_s: float = 0.0
+    """Time spent waiting for the previous stage: this stage's share of the pipeline's bubbles."""
     _pending_sends: deque = field(default_factory=deque)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,9 @@ class ParallelGroups:
     def recv_from_previous_stage(self, shape: tuple[int, ...], dtype: torch.dtype,
                                  device: torch.device) -> torch.Tensor:
         buffer = torch.empty(shape, dtype=dtype, device=device)
+        start = time.perf_counter()
         dist.recv(buffer, src=self.rank.rank - self.rank.tp_size)
+        self.recv_wait_s += time.perf_counter() - start
         return buffer
 
 
