@@ -41,6 +41,7 @@ class AdmissionService:
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
         self._heartbeat = asyncio.create_task(self._publish_periodically())
+        self.metrics.start()
         on_reconnect(self.nc, self.on_reconnected)
 
     def on_reconnected(self) -> None:
@@ -48,7 +49,6 @@ class AdmissionService:
         never be offered work again: relearn every engine from its next status instead."""
         for replica in list(self.queue.engines):
             self.queue.forget_engine(replica)
-        self.metrics.start()
 
     async def stop(self) -> None:
         self._heartbeat.cancel()
