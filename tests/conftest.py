@@ -18,3 +18,11 @@ def demo_model(tmp_path_factory) -> str:
     from model.demo import make_demo_model
 
     return str(make_demo_model(tmp_path_factory.mktemp("demo") / "demo-llama", arch="llama", size="tiny"))
+
+
+@pytest.fixture(scope="session")
+def demo_gpt2(tmp_path_factory) -> str:
+    """The tiny demo GPT-2 (random weights, locally trained tokenizer), made once per session."""
+    from model.demo import make_demo_model
+
+    return str(make_demo_model(tmp_path_factory.mktemp("demo") / "demo-gpt2", arch="gpt2", size="tiny"))

@@ -19,13 +19,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = [[5 + 7 * i + j for j in range(3 + 9 * i)] for i in range(6)]
 
 
-@pytest.fixture(scope="module")
-def demo_gpt2(tmp_path_factory) -> str:
-    from model.demo import make_demo_model
-
-    return str(make_demo_model(tmp_path_factory.mktemp("demo") / "demo-gpt2", arch="gpt2", size="tiny"))
-
-
 def engine(model: str, tp: int, pp: int) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=ModelConfig(model=model, dtype="float64"), scheduler=SchedulerConfig(max_num_seqs=4),
