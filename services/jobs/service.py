@@ -29,7 +29,9 @@ from shared.api import AbortRequest, decode_generate_request, encode_json
 
 log = logging.getLogger("orca.jobs")
 DUPLICATE_WINDOW_S = 600.0
-ACK_WAIT_S = 120.0
+ACK_WAIT_S = 30.0
+"""A job whose consumer died is handed out again this long after its last heartbeat."""
+HEARTBEAT_S = ACK_WAIT_S / 3
 IDLE_EVENT_TIMEOUT_S = 300.0
 RETRY_DELAY_S = 2.0
 
@@ -118,6 +120,7 @@ class JobsService:
             return  # redelivered while this instance still works on it: the first one acks
         async with self.concurrency:
             self.in_flight.add(job_id)
+            heartbeat = asyncio.create_task(self._keep_alive(msg))
             try:
                 if await self.result_exists(job_id):
                     await msg.ack()
@@ -131,7 +134,18 @@ class JobsService:
                 log.warning("job %s not finished (%s); it will be redelivered", job_id, exc)
                 await msg.nak(delay=RETRY_DELAY_S)
             finally:
+                heartbeat.cancel()
                 self.in_flight.discard(job_id)
+
+    async def _keep_alive(self, msg) -> None:
+        """Tell JetStream the job is still being worked on (queued or generating), so only a
+        consumer that died has its jobs redelivered."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # noqa: BLE001 - reconnecting: the next beat may pass
+                log.debug("heartbeat failed: %s", exc)
 
     async def result_exists(self, job_id: str) -> bool:
         try:
@@ -162,7 +176,6 @@ class JobsService:
                 if event is None:
                     await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(body["id"])))
                     raise Interrupted("the connection to NATS dropped during the generation")
-                await msg.in_progress()  # keep JetStream from redelivering a long job
                 tokens.extend(event.get("token_ids") or [])
                 text.append(event.get("text") or "")
                 if event.get("finish_reason") is not None:
