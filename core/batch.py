@@ -61,6 +61,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
     preempted_request_ids: list[str] = []
     """Requests preempted in this schedule (their KV is gone); the runner drops their state and
     sees them again in `new_requests` when they resume."""
+    dead_request_ids: list[str] = []
+    """Scheduled lanes of a static (lockstep) batch whose request has already finished: each
+    computes one wasted token (its `new_token_ids` is filler, nothing is sampled) because a dense
+    batch runs every lane until its longest member ends. Cost models charge them as decodes."""
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +75,12 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
         return sum(1 for s in self.scheduled if s.num_new_tokens == 1 and s.samples)
 
     @property
+    def num_dead_tokens(self) -> int:
+        return len(self.dead_request_ids)
+
+    @property
     def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_tokens
+        return self.num_tokens - self.num_decode_tokens - self.num_dead_tokens
 
     @property
     def is_empty(self) -> bool:

@@ -12,6 +12,11 @@ request needs is the policy's call (Orca reserves prompt + max_tokens up front; 
 on demand and preempts the lowest-priority, latest-admitted running request when blocks run
 out). No new request is admitted in an iteration that had to preempt.
 
+A static policy (`policy.lockstep`, FasterTransformer behind a request-level server) runs a
+different loop, `_schedule_lockstep`: its batch is one dense, fixed batch, all of which runs in
+every iteration until its longest member ends; finished members keep their lane (and KV) as dead
+lanes computing wasted tokens, and every member's output returns when the batch ends.
+
 Several iterations may be in flight at once (pipeline parallelism: one per stage). A request
 scheduled in an iteration whose `update` has not come back is in flight: it is left out of
 later iterations until then, so it is never in two batches at once (Orca's rule), and it is
@@ -47,6 +52,9 @@ class Scheduler:
                 f"max_num_batched_tokens={max_num_batched_tokens} is below max_model_len={max_model_len}: "
                 "a long prompt could never run; raise it or enable chunked prefill"
             )
+        if policy.lockstep and kv_cache.enable_prefix_caching:
+            raise ValueError(f"the {policy.name} policy has no prefix reuse (FasterTransformer had none): "
+                             "disable prefix caching")
         self.policy = policy
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
@@ -64,6 +72,7 @@ class Scheduler:
         self._finished_since_schedule: list[str] = []
         self._seen_by_runner: set[str] = set()
         self._in_flight: set[str] = set()
+        self._held: dict[str, list[RequestOutput]] = {}  # lockstep: outputs returned when the batch ends
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -78,10 +87,11 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        most = min(request.max_total_tokens, self.max_model_len)
+        most = max(min(request.max_total_tokens, self.max_model_len), self.policy.reservation(request, self.max_model_len))
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
         if self.kv_cache.blocks_needed(most) > self.kv_cache.num_blocks:
-            raise ValueError(f"request needs {most} KV slots (prompt + max_tokens) but the cache holds {capacity}")
+            raise ValueError(f"request needs {most} KV slots under the {self.policy.name} policy but the cache "
+                             f"holds {capacity}")
         request.arrival_order = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
@@ -116,6 +126,8 @@ class Scheduler:
     # ---- the two verbs --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.policy.lockstep:
+            return self._schedule_lockstep()
         num_running_at_start = len(self.running)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -143,12 +155,17 @@ class Scheduler:
         if not scheduled:  # nothing runs: the runner hears of these with the next batch
             self._finished_since_schedule.extend(preempted)
             return SchedulerOutput(self._iteration, [], [], [])
+        return self._emit(scheduled, preempted)
+
+    def _emit(self, scheduled: list[ScheduledRequest], preempted: list[str],
+              dead: list[str] | None = None) -> SchedulerOutput:
         output = SchedulerOutput(
             iteration=self._iteration,
             new_requests=self._new_request_data(scheduled),
             scheduled=scheduled,
             finished_request_ids=self._finished_since_schedule,
             preempted_request_ids=preempted,
+            dead_request_ids=dead or [],
         )
         self._finished_since_schedule = []
         self._in_flight.update(s.request_id for s in scheduled)
@@ -166,16 +183,68 @@ class Scheduler:
             request.num_computed_tokens += item.num_new_tokens
             self._register_blocks(request, item.num_new_tokens)
             token = result.sampled_token_ids.get(item.request_id)
-            if token is None:
+            if token is None or request.finish_reason is not None:  # nothing sampled, or a dead lane
                 continue
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
             if reason is not None:
-                self._end(request, reason)
+                self._retire(request, reason)
             logprob = result.logprobs.get(item.request_id)
+            event = RequestOutput(item.request_id, (token,), (logprob,) if logprob is not None else None, reason)
+            (self._held.setdefault(item.request_id, []) if self.policy.lockstep else events).append(event)
+        if self.policy.lockstep and self.running and all(r.finish_reason is not None for r in self.running):
+            events += self._end_batch()
+        return events
+
+    # ---- static (lockstep) batches ------------------------------------------------------
+
+    def _schedule_lockstep(self) -> SchedulerOutput:
+        """The whole batch, as one iteration. A new batch's first iteration computes, in every lane,
+        as many tokens as its shortest lane knows (FasterTransformer's "as if they all had the same
+        input length as the shortest one"); then every lane computes one token per iteration."""
+        if self._in_flight:  # a dense batch is one iteration: nothing runs beside it
+            return SchedulerOutput(self._iteration, [], [], [])
+        if self.policy.admission_open(len(self.running)):
+            lanes = self._admit(min(self.max_num_seqs, self.max_num_batched_tokens))
+            if not lanes:
+                return SchedulerOutput(self._iteration, [], [], [])
+            num_new = min(min(r.num_tokens for r in lanes), self.max_num_batched_tokens // len(lanes))
+        else:
+            lanes, num_new = list(self.running), 1
+        scheduled = [self._lane(request, num_new) for request in lanes]
+        return self._emit(scheduled, [], [r.request_id for r in lanes if r.finish_reason is not None])
+
+    def _lane(self, request: Request, num_new: int) -> ScheduledRequest:
+        """One lane's tokens. A dead lane (its request finished) computes on: its last token, then
+        filler (that token again); it never samples."""
+        new_blocks = self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_new)
+        assert new_blocks is not None, "a lane outgrew the KV it preallocated"
+        item = self._scheduled(request, num_new, new_blocks)
+        if request.finish_reason is None:
+            return item
+        filler = [self._all_tokens(request)[-1]] if request.num_computed_tokens >= request.num_tokens else []
+        return ScheduledRequest(request.request_id, item.num_computed_tokens, num_new, new_blocks, samples=False,
+                                new_token_ids=item.new_token_ids + filler)
+
+    def _retire(self, request: Request, reason: FinishReason) -> None:
+        """A request reached its end: it leaves now, or under a lockstep policy it becomes a dead
+        lane that keeps its KV and returns with its batch."""
+        if self.policy.lockstep:
+            request.finish_reason = reason
+        else:
+            self._end(request, reason)
+
+    def _end_batch(self) -> list[RequestOutput]:
+        """Every lane has finished: all of them return now, and give their KV back."""
+        events = []
+        for request in list(self.running):
+            held = self._held.pop(request.request_id, [])
+            logprobs = [lp for e in held for lp in (e.logprobs or ())]
             events.append(RequestOutput(
-                item.request_id, (token,), (logprob,) if logprob is not None else None, reason,
+                request.request_id, tuple(t for e in held for t in e.new_token_ids),
+                tuple(logprobs) if logprobs else None, request.finish_reason,
             ))
+            self._end(request, request.finish_reason)
         return events
 
     # ---- admission, growth, preemption ---------------------------------------------------
@@ -304,6 +373,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+        self._held.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -318,3 +388,6 @@ class Scheduler:
         held = {b for r in self.running for b in self.kv_cache.block_ids(r.request_id)}
         assert len(held) == self.kv_cache.num_used_blocks, "KV blocks held by requests that are not running"
         assert not any(self.kv_cache.block_ids(r.request_id) for r in self.waiting), "a waiting request holds KV"
+        if self.policy.lockstep:
+            assert [s.request_id for s in output.scheduled] == [r.request_id for r in self.running], \
+                "a lockstep batch runs every lane, and only its lanes, in every iteration"
