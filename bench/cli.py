@@ -1,6 +1,10 @@
 """`orca bench` (measure a server or the engine under load) and `orca simulate` (replay the same
 load through the real scheduler with a cost model). Flags follow `vllm bench serve`'s names.
 
+`--policy` takes scheduler policies (orca, request-level, paged, static), each optionally with its
+own max batch size, `NAME:N` (the paper's `orca(max_bs)` and FasterTransformer's `ft(max_bs, mbs)`
+curves: `--policy orca static:1 static:8`); otherwise `--max-num-seqs` applies.
+
 `add_bench_parsers(subparsers)` registers both on the `orca` command; `python -m bench.cli`
 runs them alone.
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import math
@@ -52,7 +57,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--sweep", default=None, help="comma list of request rates, run in increasing order "
                                                   "(overrides --request-rate), e.g. 0.5,1,2,4,inf")
     a.add_argument("--policy", nargs="+", default=["orca"],
-                   help="scheduler policies to measure (orca, request-level); for a running server, its label")
+                   help="scheduler policies to measure (orca, request-level, paged, static), each as NAME or NAME:N "
+                        "with N its own max batch size (e.g. static:8); for a running server, its label")
     r = p.add_argument_group("report")
     r.add_argument("--goodput", nargs="+", metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:9000")
@@ -136,12 +142,28 @@ def tagged(requests: list[GenerateRequest]) -> list[GenerateRequest]:
     return [msgspec.structs.replace(r, id=f"b{tag}-{i}") for i, r in enumerate(requests)]
 
 
-def run_record(policy: str, rate: float, args: argparse.Namespace, result: RunResult,
+def parse_policy(spec: str, max_num_seqs: int) -> tuple[str, int]:
+    """'static:8' -> ('static', 8); 'orca' -> ('orca', max_num_seqs). ValueError if not a policy."""
+    from core.policies import POLICIES
+
+    name, colon, size = spec.partition(":")
+    if name not in POLICIES:
+        raise ValueError(f"--policy {spec!r}: {name!r} is not one of {sorted(POLICIES)}")
+    if not colon:
+        return name, max_num_seqs
+    if not size.isdigit() or int(size) < 1:
+        raise ValueError(f"--policy {spec!r}: the max batch size after ':' must be an integer >= 1")
+    return name, int(size)
+
+
+def run_record(spec: str, rate: float, args: argparse.Namespace, result: RunResult,
                goodput: dict[str, float], extra: dict | None = None) -> dict:
+    """`spec` is the --policy item ('static:8'): its policy name is saved as `policy`, the whole
+    item (and --label) as the curve's `label`."""
     metrics = summarize(result.records, result.duration_s, goodput)
-    title = f"{policy} @ {_rate_text(rate)} req/s"
+    title = f"{spec} @ {_rate_text(rate)} req/s"
     print(format_report(metrics, title, goodput), flush=True)
-    run = {"policy": policy, "label": f"{policy} ({args.label})" if args.label else policy,
+    run = {"policy": spec.partition(":")[0], "label": f"{spec} ({args.label})" if args.label else spec,
            "request_rate": _rate_text(rate), "burstiness": args.burstiness,
            "max_concurrency": args.max_concurrency, "num_prompts": len(result.records), "metrics": metrics,
            **(extra or {})}
@@ -166,6 +188,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ValueError("a running server has one policy: give one --policy label per run (merge runs with "
                          "--load-result), or --launch to start `orca serve` once per policy")
     requests, rates, goodput = workload(args), rates_of(args), parse_goodput(args.goodput)
+    if transport == "inprocess" or args.launch:
+        for spec in args.policy:
+            parse_policy(spec, args.max_num_seqs)  # refuse a bad one before running anything
     runs = []
     for policy in args.policy:
         if transport == "inprocess":
@@ -173,7 +198,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.launch:
             from bench.targets import launch_serve
 
-            with launch_serve(policy, engine_options(args)) as (http_url, nats_url):
+            name, max_num_seqs = parse_policy(policy, args.max_num_seqs)
+            options = dataclasses.replace(engine_options(args), max_num_seqs=max_num_seqs)
+            with launch_serve(name, options) as (http_url, nats_url):
                 args.base_url, args.nats_url = http_url, nats_url
                 runs += asyncio.run(bench_streaming(args, transport, policy, requests, rates, goodput))
         else:
@@ -197,9 +224,11 @@ def bench_inprocess(args, policy, requests, rates, goodput) -> list[dict]:
         import torch
 
         torch.set_num_threads(args.threads)
+    name, max_num_seqs = parse_policy(policy, args.max_num_seqs)
+    options = dataclasses.replace(engine_options(args), max_num_seqs=max_num_seqs)
     runs = []
     for rate in rates:
-        target = make_inprocess_target(engine_options(args), policy)
+        target = make_inprocess_target(options, name)
         target.warm_up()
         arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
         result = drive_stepped(target, tagged(requests), arrivals, max_concurrency=args.max_concurrency,
@@ -242,8 +271,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         requests, trace_arrivals, rates = with_token_ids(workload(args), args.model), None, rates_of(args)
     goodput, runs = parse_goodput(args.goodput), []
-    for policy in args.policy:
-        config = SimConfig(policy=policy, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
+    specs = {spec: parse_policy(spec, args.max_num_seqs) for spec in args.policy}
+    for policy, (name, max_num_seqs) in specs.items():
+        config = SimConfig(policy=name, max_num_seqs=max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
                            block_size=args.block_size, max_model_len=args.max_model_len,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            enable_chunked_prefill=args.enable_chunked_prefill)
@@ -269,6 +299,8 @@ def finish(args: argparse.Namespace, runs: list[dict], kind: str) -> int:
     capacities = {policy: capacity_at(points, target) for policy, points in curves.items()}
     print(sweep_table(runs))
     ratio_lines = report_capacities(capacities, policies, target, how)
+    if getattr(args, "cost_model", None) == "gpt3-175b-a100-tp8pp2" and target == PAPER_TARGET_MS:
+        ratio_lines += paper_comparison(capacities, policies)
     if args.save_result:
         save(args, kind, runs, target, capacities, ratio_lines)
     if args.plot:
@@ -346,6 +378,46 @@ def report_capacities(capacities: dict[str, Capacity], policies: dict[str, str],
         lines.append(f"capacity ratio {orca} / {label} at {at}: {sign}{ratio:.2f}x")
         print(lines[-1] + (" (a curve never crossed the target: widen --sweep for an exact ratio)" if sign else ""))
     return lines
+
+
+PAPER_CAPACITY = {"orca": 6.81, "static": 0.185}
+"""Req/s at 190 ms/token on GPT-3 175B (Yu et al., OSDI '22, section 6.2): ORCA and FasterTransformer."""
+PAPER_RATIO = 36.9
+"""The same section's speedup, as the paper rounds it."""
+
+
+def paper_comparison(capacities: dict[str, Capacity], policies: dict[str, str]) -> list[str]:
+    """Beside the paper's 175B figures: orca, the best static curve (the paper's FasterTransformer
+    figure is its best (max_bs, mbs) configuration at that latency), their ratio, and with a
+    request-level curve how the gain splits between selective batching and iteration-level scheduling."""
+    def best(policy: str) -> str | None:
+        labels = [label for label, p in policies.items() if p == policy and label in capacities]
+        return max(labels, key=lambda label: capacities[label].req_s, default=None)
+
+    orca, static, request_level = best("orca"), best("static"), best("request-level")
+    if orca is None or static is None:
+        return []
+    lines = [f"the Orca paper's GPT-3 175B comparison at {PAPER_TARGET_MS:g} ms/token (Yu et al., OSDI '22, section 6.2):",
+             f"  {'':<28}{'simulated':>16}  paper",
+             f"  {orca:<28}{capacities[orca].describe():>16}  {PAPER_CAPACITY['orca']} req/s (ORCA)",
+             f"  {static + ' (best static)':<28}{capacities[static].describe():>16}  {PAPER_CAPACITY['static']} req/s "
+             "(FasterTransformer, its best configuration)"]
+    ratio, bound = capacity_ratio(capacities[orca], capacities[static])
+    lines.append(f"  {orca + ' / ' + static:<28}{_ratio_text(ratio, bound):>16}  {PAPER_RATIO}x")
+    if request_level is not None:
+        selective = capacity_ratio(capacities[request_level], capacities[static])
+        iteration = capacity_ratio(capacities[orca], capacities[request_level])
+        lines += [f"  {request_level:<28}{capacities[request_level].describe():>16}  -",
+                  f"  split: {static} -> {request_level} {_ratio_text(*selective)} (selective batching: a batch of any "
+                  "lengths, no lockstep or dead lanes, so large batches pay; finished requests return at once)",
+                  f"         {request_level} -> {orca} {_ratio_text(*iteration)} (iteration-level scheduling: new "
+                  "requests join a running batch)"]
+    print("\n" + "\n".join(lines))
+    return lines
+
+
+def _ratio_text(ratio: float, bound: str) -> str:
+    return {"=": "", ">=": ">= ", "<=": "<= ", "?": "~"}[bound] + f"{ratio:.2f}x"
 
 
 def save(args, kind, runs, target, capacities, ratio_lines) -> None:

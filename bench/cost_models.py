@@ -2,7 +2,11 @@
 
 An iteration is what `Scheduler.schedule()` returns: some prompt tokens (prefills) and some
 single decode tokens, each request attending to its own context. `IterationShape` is that
-batch reduced to the numbers a cost model needs; a cost model maps it to seconds.
+batch reduced to the numbers a cost model needs; a cost model maps it to seconds. Under the
+static policy (FasterTransformer) the batch also holds dead lanes, finished requests that
+compute a wasted token each until their batch ends: they are decodes like any other (tokens,
+weight reads, attention over the lane's context), counted apart in `dead_tokens` as well, and
+the batch is one pipeline micro-batch (`pipelined=False`).
 
 Two models ship:
 - `this-machine`: this engine (in process, tiny demo model, this CPU), a linear model fitted
@@ -33,6 +37,8 @@ class IterationShape:
     """KV entries the decode tokens attend to: the sum of their requests' context lengths."""
     prefill_attention: int
     """(query, key) pairs of the prefill tokens: a prompt of L tokens from scratch has L(L+1)/2."""
+    dead_tokens: int = 0
+    """Of the tokens above, those computed by dead lanes of a static batch (wasted work)."""
 
     @property
     def tokens(self) -> int:
@@ -41,7 +47,7 @@ class IterationShape:
     def __add__(self, other: IterationShape) -> IterationShape:
         return IterationShape(self.num_requests + other.num_requests, self.prefill_tokens + other.prefill_tokens,
                               self.decode_tokens + other.decode_tokens, self.decode_context + other.decode_context,
-                              self.prefill_attention + other.prefill_attention)
+                              self.prefill_attention + other.prefill_attention, self.dead_tokens + other.dead_tokens)
 
 
 EMPTY = IterationShape(0, 0, 0, 0, 0)
@@ -52,14 +58,17 @@ def total(shapes: Iterable[IterationShape]) -> IterationShape:
 
 
 def iteration_shapes(output: SchedulerOutput, prompt_lens: Mapping[str, int]) -> list[IterationShape]:
-    """Each scheduled request's work, in batch order; `prompt_lens` maps request id -> prompt length."""
+    """Each scheduled request's work, in batch order; `prompt_lens` maps request id -> prompt length.
+    A dead lane's token is a decode at the lane's position (it attends to the lane's whole KV)."""
     shapes = []
+    dead = set(output.dead_request_ids)
     for item in output.scheduled:
         start, new = item.num_computed_tokens, item.num_new_tokens
+        wasted = new if item.request_id in dead else 0
         if start < prompt_lens[item.request_id]:
-            shapes.append(IterationShape(1, new, 0, 0, new * start + new * (new + 1) // 2))
+            shapes.append(IterationShape(1, new, 0, 0, new * start + new * (new + 1) // 2, wasted))
         else:
-            shapes.append(IterationShape(1, 0, new, start + new, 0))
+            shapes.append(IterationShape(1, 0, new, start + new, 0, wasted))
     return shapes
 
 
@@ -87,7 +96,8 @@ class LinearCostModel:
     default_kv_cache_tokens: int = 65536
     note: str = ""
 
-    def iteration_time(self, shapes: list[IterationShape]) -> float:
+    def iteration_time(self, shapes: list[IterationShape], pipelined: bool = True) -> float:
+        """`pipelined` is ignored: the model was fitted on one process."""
         shape = total(shapes)
         return (self.a + self.b * shape.prefill_tokens + self.c * shape.decode_tokens
                 + self.d * shape.decode_context + self.e * shape.prefill_attention)
@@ -226,8 +236,11 @@ class ClusterCostModel:
         send = self.pp_latency_s + activation_bytes / self.pp_link_bytes_per_s if self.pp > 1 else 0.0
         return gemm + attention + allreduce + send + layers * self.layer_overhead_s
 
-    def iteration_time(self, shapes: list[IterationShape]) -> float:
-        micro_batches = partition(shapes, max(1, min(self.pp, len(shapes))))
+    def iteration_time(self, shapes: list[IterationShape], pipelined: bool = True) -> float:
+        """`pipelined=False`: the batch is one micro-batch, so the stages take turns (FasterTransformer
+        with its microbatch size equal to the batch size, the Orca paper's best baseline configurations)."""
+        parts = max(1, min(self.pp, len(shapes))) if pipelined else 1
+        micro_batches = partition(shapes, parts)
         return self.pp * max(self.stage_time(group) for group in micro_batches)
 
 

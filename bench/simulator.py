@@ -3,7 +3,8 @@
 Every iteration runs `core.scheduler.Scheduler.schedule()` (the same policies and
 `KVCacheManager` the engine uses), asks the cost model how long that batch takes, advances
 the simulated clock by it, and feeds `Scheduler.update()` a made-up token for every request
-that samples. Requests ignore EOS, so each generates exactly its `max_tokens`. Arrivals are
+that samples. Requests ignore EOS, so each generates exactly its `max_tokens`. Under the static
+policy a batch is one pipeline micro-batch and its dead lanes are charged like decodes. Arrivals are
 added between iterations by the same stepped driver that runs the in-process engine
 (`bench.loadgen.drive_stepped`), on the simulated clock. Nothing reads the wall clock or an
 unseeded random source, so a seed fixes the result.
@@ -34,7 +35,7 @@ class CostModel(Protocol):
     max_model_len: int
     default_kv_cache_tokens: int
 
-    def iteration_time(self, shapes: list[IterationShape]) -> float: ...
+    def iteration_time(self, shapes: list[IterationShape], pipelined: bool = True) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,8 @@ class SimulatedEngine:
         if output.is_empty:
             raise RuntimeError(f"the scheduler scheduled nothing with {len(self.scheduler.requests)} requests "
                                "unfinished: they can never run with this configuration")
-        duration = self.cost_model.iteration_time(iteration_shapes(output, self._prompt_lens))
+        duration = self.cost_model.iteration_time(iteration_shapes(output, self._prompt_lens),
+                                                  pipelined=not self.scheduler.policy.lockstep)
         self.now += duration
         self.busy_s += duration
         self.iterations += 1
