@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import msgspec
 
-SCHEDULER_POLICIES = ("orca", "request-level", "paged")
+SCHEDULER_POLICIES = ("orca", "request-level", "paged", "static")
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
-KERNEL_BACKENDS = ("auto", "torch", "triton")
+KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: str = "orca"
     """`orca`: iteration-level, FCFS, reserves prompt_len + max_tokens slots at admission.
     `request-level`: the paper's baseline; a batch forms only when the engine is idle.
-    `paged`: blocks on demand, preemption by recompute when they run out (vLLM)."""
+    `paged`: blocks on demand, preemption by recompute when they run out (vLLM).
+    `static`: FasterTransformer behind a request-level server (the paper's measured baseline):
+    a fixed dense batch, finished requests keep computing until it ends (core.policies.StaticPolicy)."""
     max_num_seqs: int = 128
     """Most requests running (admitted) at once."""
     max_num_batched_tokens: int | None = None
@@ -67,7 +69,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     """Seed for requests that give none."""
     kernel_backend: str = "auto"
-    """`auto`: Triton kernels on CUDA, torch on CPU."""
+    """`auto`: Triton kernels on CUDA; on CPU the compiled C attention kernel (torch where no C compiler
+    is found); `torch` the plain torch path, the reference."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
