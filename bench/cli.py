@@ -307,8 +307,9 @@ def finish(args: argparse.Namespace, runs: list[dict], kind: str) -> int:
         from bench.plot import plot_curves
 
         title, subtitle = plot_titles(args, runs)
+        items = {label: label.split(" (", 1)[0] for label in curves}  # 'static:8 (sim)' -> 'static:8'
         plot_curves(curves, args.plot, target_ms=target, capacities=capacities, title=title, subtitle=subtitle,
-                    rate_labels=rates, policies=policies)
+                    rate_labels=rates, policies=items)
         print(f"plot: {args.plot}")
     return 0
 
@@ -370,7 +371,7 @@ def report_capacities(capacities: dict[str, Capacity], policies: dict[str, str],
         print(f"  {label:<{width}} {cap.describe()}")
     lines = []
     for label in capacities:
-        orca = orca_counterpart(label, policies.get(label, label), capacities)
+        orca = counterpart(label, policies.get(label, label), capacities)
         if orca is None:
             continue
         ratio, bound = capacity_ratio(capacities[orca], capacities[label])
@@ -418,6 +419,19 @@ def paper_comparison(capacities: dict[str, Capacity], policies: dict[str, str]) 
 
 def _ratio_text(ratio: float, bound: str) -> str:
     return {"=": "", ">=": ">= ", "<=": "<= ", "?": "~"}[bound] + f"{ratio:.2f}x"
+
+
+def counterpart(label: str, policy: str, labels) -> str | None:
+    """The orca curve to compare a curve with. For 'static:8 (simulated)': 'orca:8 (simulated)',
+    else 'orca (simulated)', else what `orca_counterpart` picks."""
+    if policy == "orca":
+        return None
+    rest = label[len(policy):] if label.startswith(policy) else ""
+    suffix = rest.split(" ", 1)[1] if rest.startswith(":") and " " in rest else ""
+    for twin in ("orca" + rest, "orca " + suffix if suffix else None):
+        if twin in labels:
+            return twin
+    return orca_counterpart(label, policy, labels)
 
 
 def save(args, kind, runs, target, capacities, ratio_lines) -> None:
