@@ -82,14 +82,24 @@ def redact_url(url: str) -> str:
 
 def stop_event_on_signals() -> asyncio.Event:
     """An event set by SIGTERM or SIGINT (services stop gracefully on either)."""
-    stop = asyncio.Event()
+    return stop_events_on_signals(1)[0]
+
+
+def stop_events_on_signals(count: int) -> list[asyncio.Event]:
+    """`count` events: the k-th SIGTERM or SIGINT sets the k-th (and every later signal the last),
+    for a service whose first signal means "drain" and whose second means "now exit"."""
+    events = [asyncio.Event() for _ in range(count)]
+
+    def on_signal() -> None:
+        next((e for e in events if not e.is_set()), events[-1]).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         except (NotImplementedError, RuntimeError):  # not the main thread (e.g. inside Ray)
             pass
-    return stop
+    return events
 
 
 async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[Callable[[], Awaitable[None]] | None]],

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -30,6 +31,8 @@ from shared.messages import EngineStatus
 
 log = logging.getLogger("orca.serve")
 status_codec = Codec(EngineStatus)
+GATEWAY_FLUSH_S = 0.2
+"""After the gateway replica has answered its last request, time for Serve's proxy to pass it on."""
 
 
 def ensure_demo_model() -> str:
@@ -148,13 +151,18 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
         drain = ("--drain-timeout", str(args.drain_timeout))
-        processes = [
-            subprocess.Popen(service_command("tokenizer", nats_url, "--model", config.model.model, *drain),
-                             start_new_session=True),
-            subprocess.Popen(service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len)),
-                             start_new_session=True),
-            subprocess.Popen(service_command("jobs", nats_url, *drain), start_new_session=True),
-        ]
+        drained_read, drained_write = os.pipe()  # the tokenizer says "drained" here (see _drain)
+        stack.callback(os.close, drained_read)
+        tokenizer = subprocess.Popen(
+            service_command("tokenizer", nats_url, "--model", config.model.model, *drain,
+                            "--drained-fd", str(drained_write)),
+            start_new_session=True, pass_fds=(drained_write,))
+        os.close(drained_write)
+        admission = subprocess.Popen(
+            service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len)),
+            start_new_session=True)
+        jobs = subprocess.Popen(service_command("jobs", nats_url, *drain), start_new_session=True)
+        processes = [tokenizer, admission, jobs]
         stack.callback(_stop_processes, processes)
         # Ray pins an actor's OMP threads to its CPU count (1); give each worker its share of the machine.
         workers = args.replicas * config.parallel.world_size
@@ -163,7 +171,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         stack.callback(_stop_masters, masters)
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, runs))
         http_url = start_gateway(args, nats_url, config.model.model)
-        stack.callback(_stop_gateway)
+        stack.callback(_stop_gateway, args.drain_timeout)
         print(f"orca-serve is up: HTTP {http_url}, NATS {nats_url}, {args.replicas} engine replica(s) of "
               f"{config.model.model}\n"
               f"  openai:   {http_url}/v1 (completions, chat/completions, models); health: {http_url}/health\n"
@@ -179,7 +187,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                     stop["now"] = True
             time.sleep(0.2)
         print("orca-serve: draining", file=sys.stderr, flush=True)
-        _drain([processes[0], processes[2]], args.drain_timeout)
+        _drain(tokenizer, drained_read, jobs, args.drain_timeout)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     return 0
 
@@ -205,9 +213,19 @@ def check_port_free(host: str, port: int) -> int:
         return sock.getsockname()[1]
 
 
-def _stop_gateway() -> None:
+def _stop_gateway(timeout_s: float) -> None:
+    """Let the gateway finish the HTTP responses it is writing (for up to `timeout_s`), then stop Serve.
+    Until then it stays up and answers new requests with the tokenizer's 503 refusal."""
     from ray import serve
 
+    try:
+        gateway = serve.get_app_handle("orca-gateway")
+        deadline = time.monotonic() + timeout_s
+        while gateway.open_requests.remote().result(timeout_s=5) > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(GATEWAY_FLUSH_S)
+    except Exception as exc:  # noqa: BLE001 - best effort; Serve stops either way
+        log.warning("could not wait for the gateway's open requests: %s", exc)
     try:
         serve.shutdown()
     except Exception:  # noqa: BLE001 - best effort; ray.shutdown follows
@@ -225,18 +243,23 @@ def _stop_processes(processes: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def _drain(front: list[subprocess.Popen], timeout_s: float) -> None:
-    """SIGTERM the services that take requests in (tokenizer, jobs): they finish what they hold
-    within `timeout_s`, while everything behind them (admission, engines, NATS) still runs."""
-    for p in front:
+def _drain(tokenizer: subprocess.Popen, tokenizer_drained: int, jobs: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM the services that take requests in: they finish what they hold within `timeout_s`,
+    while everything behind them (admission, engines, NATS) still runs. The jobs service then exits;
+    the tokenizer says "drained" on its pipe and keeps refusing new requests (a clear "shutting
+    down", not NATS' "no responders") until `_stop_processes` stops it, after the gateway and engines."""
+    for p in (tokenizer, jobs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    for p in front:
-        try:
-            p.wait(timeout=timeout_s + 10)  # their own deadline, plus time to say so and exit
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    deadline = time.monotonic() + timeout_s + 10  # their own deadline, plus time to say so
+    readable, _, _ = select.select([tokenizer_drained], [], [], timeout_s + 10)
+    if not readable:
+        log.warning("the tokenizer did not finish draining in %.0f s", timeout_s + 10)
+    try:
+        jobs.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        jobs.kill()
+        jobs.wait()
 
 
 def _stop_masters(masters: list) -> None:

@@ -27,7 +27,7 @@ from services.gateway.completions import create_chat_completion, create_completi
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, error_body
 from services.gateway.metrics import render_metrics
-from services.gateway.middleware import CountResponses, LimitBody, RequireBearer
+from services.gateway.middleware import CountResponses, LimitBody, OpenRequests, RequireBearer
 from services.gateway.state import GatewaySettings, GatewayState
 from services.gateway.tracing import TraceRequests
 from shared.telemetry import setup_tracing
@@ -62,7 +62,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.openapi = lambda: _openapi_without_422(app)
     app.add_middleware(LimitBody, limit=settings.max_body_bytes)
     app.add_middleware(RequireBearer, api_key=settings.api_key)
-    app.add_middleware(CountResponses, counts=counts)
+    app.state.open_requests = OpenRequests()
+    app.add_middleware(CountResponses, counts=counts, open_requests=app.state.open_requests)
     if setup_tracing("gateway"):
         app.add_middleware(TraceRequests)
     return app
@@ -223,4 +224,9 @@ class RayGateway:
         self.settings = settings
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return build_app(self.settings)
+        self.fastapi_app = build_app(self.settings)  # `app` is Serve's own property on an ingress
+        return self.fastapi_app
+
+    def open_requests(self) -> int:
+        """HTTP requests still being answered; `orca serve` waits for zero before it stops Serve."""
+        return self.fastapi_app.state.open_requests.count

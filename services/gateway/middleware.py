@@ -12,12 +12,20 @@ from services.gateway.errors import APIError
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
 
-class CountResponses:
-    """Responses by route template and status code, for /metrics."""
+class OpenRequests:
+    """HTTP requests this process is still answering (a drain waits for zero)."""
 
-    def __init__(self, app: ASGIApp, counts: Counter) -> None:
+    def __init__(self) -> None:
+        self.count = 0
+
+
+class CountResponses:
+    """Responses by route template and status code, for /metrics, and the requests still open."""
+
+    def __init__(self, app: ASGIApp, counts: Counter, open_requests: OpenRequests) -> None:
         self.app = app
         self.counts = counts
+        self.open_requests = open_requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -30,9 +38,11 @@ class CountResponses:
                 status["code"] = message["status"]
             await send(message)
 
+        self.open_requests.count += 1
         try:
             await self.app(scope, receive, counting_send)
         finally:
+            self.open_requests.count -= 1
             route = scope.get("route")
             self.counts[(getattr(route, "path", "other"), status["code"])] += 1
 

@@ -18,7 +18,8 @@ from tests.reliability.helpers import Session, connect, greedy_outputs, long_req
 
 pytestmark = [pytest.mark.slow, pytest.mark.stops_stack]
 
-MAX_TOKENS = 40
+MAX_TOKENS = 300
+"""Long enough that the requests in flight outlast the refusal checks below on any machine."""
 
 
 def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_leaves_no_process(stack, demo_model):
@@ -42,6 +43,7 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_leaves_no_proces
             refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
             figures["refused_after_s"] = time.monotonic() - signalled
             late = await stream(nc, {"id": "late", "prompt": "hi", "max_tokens": 4}, timeout_s=10)
+            figures["late_refused_s"] = time.monotonic() - signalled
             results = await asyncio.gather(*tasks)
             http_results = await asyncio.gather(*http_tasks)
             figures["in_flight_done_s"] = time.monotonic() - signalled
@@ -53,6 +55,8 @@ def test_sigterm_drains_in_flight_requests_refuses_new_ones_and_leaves_no_proces
 
     out = run(go(), DRAIN_TIMEOUT_S + 120)
     print("drain:", {k: round(v, 2) for k, v in out["figures"].items()}, f"{len(session.processes)} processes")
+    figures = out["figures"]
+    assert figures["late_refused_s"] < figures["in_flight_done_s"], "the refusals must come while requests still run"
     assert out["refused"].status_code == 503, out["refused"].text
     assert out["late"][-1]["finish_reason"] == "error" and "shutting down" in out["late"][-1]["error"], out["late"]
     for body, events in zip(bodies, out["results"]):
