@@ -24,6 +24,10 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
 
+    @property
+    def watches_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the new final text (after a stop string matches: nothing more)."""
         if self.stopped:

@@ -76,9 +76,11 @@ def model_eos_ids(model_dir: str, tokenizer: Tokenizer | None) -> tuple[int, ...
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
-                 tokenizer: Tokenizer | None = None, max_batches_in_flight: int | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, max_batches_in_flight: int | None = None,
+                 stream_text: bool = True) -> None:
         """`max_batches_in_flight`: default one per pipeline stage; 1 runs the stages in turn
-        (benchmarks compare the two)."""
+        (benchmarks compare the two). `stream_text=False` (a batch job that wants only whole texts):
+        a request without stop strings is detokenized once when it finishes, not at every step."""
         self.config = config
         self.max_model_len = resolve_max_model_len(config.model.model, config.model.max_model_len)
         cache = config.cache
@@ -107,6 +109,7 @@ class LLMEngine:
         self.in_flight_log: list[tuple[int, ...]] = []
         """With record_iterations: after each submit, the iterations in flight (oldest first)."""
         self.record_iterations = False
+        self.stream_text = stream_text
         self._in_flight: deque[SchedulerOutput] = deque()
 
     # ---- requests --------------------------------------------------------------------
@@ -189,8 +192,10 @@ class LLMEngine:
         reason = event.finish_reason
         new_text = ""
         detok = self._detokenizers.get(event.request_id)
-        if detok is not None:
-            new_text = detok.add(event.new_token_ids)
+        if detok is not None and (self.stream_text or detok.watches_stop_strings or reason is not None):
+            # Unstreamed, a request without stop strings is decoded once, from all its tokens.
+            streamed = self.stream_text or detok.watches_stop_strings
+            new_text = detok.add(event.new_token_ids if streamed else completion.token_ids)
             if detok.stopped and reason is None:
                 reason = FinishReason.STOP
                 self.scheduler.finish(event.request_id, reason)

@@ -150,6 +150,9 @@ def ragged_attention_torch(
     seq_lens: torch.Tensor,  # (B,) int32, context length including this iteration's tokens
     query_start_loc: torch.Tensor,  # (B + 1,) int32
     scale: float,
+    *,
+    max_query_len: int | None = None,  # hints every attention path accepts; this one needs neither
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:  # (T, nh, hd)
     """Fast torch path: decodes in one tight loop of two bmm calls each, other requests one SDPA call each;
     K/V are views of the cache when a request's blocks are consecutive, a gather otherwise.
@@ -348,6 +351,7 @@ def ragged_attention_triton(
     scale: float,
     *,
     max_query_len: int | None = None,  # hint for tile shapes; default T - B + 1, a bound needing no sync
+    max_seq_len: int | None = None,  # accepted for a common signature; the kernel needs no bound
 ) -> torch.Tensor:  # (T, nh, hd)
     """Triton version of `ragged_attention_torch`; fp16/bf16/fp32 inputs, fp32 accumulation."""
     if triton is None:

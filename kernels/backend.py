@@ -1,12 +1,14 @@
-"""Picks the kernel implementation the model runner calls: Triton on CUDA, torch elsewhere."""
+"""Picks the kernel implementation the model runner calls: Triton on CUDA, compiled C attention on
+CPU (torch for the rest), plain torch elsewhere or where nothing can be compiled."""
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kernels import activations, attention, kv_cache, norms, rotary
+from kernels import activations, attention, attention_cpu, kv_cache, norms, rotary
 
 
 @dataclass(frozen=True)
@@ -14,7 +16,8 @@ class KernelOps:
     """The seven kernels a forward pass needs; every pair of implementations shares one signature."""
 
     write_kv: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping), in place
-    attention: Callable[..., torch.Tensor]  # (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    attention: Callable[..., torch.Tensor]  # (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+    #                                          *, max_query_len, max_seq_len)
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, weight, eps, residual=None) -> (out, sum)
     layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, weight, bias, eps, residual=None) -> (out, sum)
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # (T, 2I) -> (T, I)
@@ -31,6 +34,9 @@ TORCH_OPS = KernelOps(
     gelu_tanh=activations.gelu_tanh_torch,
     apply_rotary=rotary.apply_rotary_torch,
 )
+
+# Token-wise ops stay torch on CPU (they already run at matmul speed there); attention is one C call.
+CPU_OPS = dataclasses.replace(TORCH_OPS, attention=attention_cpu.ragged_attention_cpu)
 
 TRITON_OPS = KernelOps(
     write_kv=kv_cache.write_kv_triton,
@@ -52,11 +58,20 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")  # Triton < 3.4
 
 
-def get_kernel_ops(name: str, device_type: str) -> KernelOps:
-    """`name` is "auto" (Triton on cuda, torch elsewhere), "torch" or "triton"; `device_type` as torch.device.type."""
-    if name not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown kernel backend {name!r}; expected 'auto', 'torch' or 'triton'")
+def get_kernel_ops(name: str, device_type: str, dtype: torch.dtype = torch.float32) -> KernelOps:
+    """`name` is "auto" (Triton on cuda, the compiled C attention on cpu where it builds, torch elsewhere),
+    "torch", "cpu" or "triton"; `device_type` as torch.device.type; `dtype` the model's."""
+    if name not in ("auto", "torch", "cpu", "triton"):
+        raise ValueError(f"unknown kernel backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
     triton_installed = attention.triton is not None
+    if name == "cpu" or (name == "auto" and device_type == "cpu"):
+        if device_type != "cpu":
+            raise ValueError(f"kernel backend 'cpu' runs on cpu, got device {device_type!r}")
+        if attention_cpu.available(dtype):
+            return CPU_OPS
+        if name == "cpu":
+            raise ValueError(f"kernel backend 'cpu' needs a C compiler and float32/float64, got {dtype}")
+        return TORCH_OPS
     if name == "torch" or (name == "auto" and not (device_type == "cuda" and triton_installed)):
         return TORCH_OPS
     if not triton_installed:

@@ -38,7 +38,8 @@ class GPT2Block(nn.Module):
         q, k, v = self.c_attn(x).view(T, 3, self.num_heads, self.head_dim).unbind(1)  # each (T, nh, hd)
         ops.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         attn = ops.attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
-                             meta.query_start_loc, self.scale)
+                             meta.query_start_loc, self.scale,
+                             max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
         h = self.attn_proj(attn.reshape(T, -1))  # H, or this rank's share of it under tensor parallelism
         x, residual = ops.layer_norm(h, self.ln_2.weight, self.ln_2.bias, self.eps, residual)
         return self.mlp_proj(ops.gelu_tanh(self.c_fc(x))), residual

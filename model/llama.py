@@ -40,7 +40,8 @@ class LlamaAttention(nn.Module):
         ops.apply_rotary(q, k, rope[0], rope[1], positions)
         ops.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         out = ops.attention(q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
-                            meta.query_start_loc, self.scale)  # (T, nh, hd)
+                            meta.query_start_loc, self.scale,
+                            max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)  # (T, nh, hd)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

@@ -47,7 +47,7 @@ class ModelRunner:
         self.rank = self.groups.rank
         self.model, self.arch = load_model(model_dir, self.dtype, device, max_positions=max_model_len,
                                            groups=self.groups)
-        self.ops = get_kernel_ops(kernel_backend, self.device.type)
+        self.ops = get_kernel_ops(kernel_backend, self.device.type, self.dtype)
         self.block_size = block_size
         self.kv_caches = self._allocate_kv_cache(num_blocks, block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)

@@ -61,7 +61,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.batch_job import run_batch
     from engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(engine_config_from_args(args), stream_text=False)
     source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     try:

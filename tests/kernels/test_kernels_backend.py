@@ -16,8 +16,30 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_torch_and_auto_on_cpu():
     assert get_kernel_ops("torch", "cuda") is backend.TORCH_OPS
-    assert get_kernel_ops("auto", "cpu") is backend.TORCH_OPS
+    assert get_kernel_ops("torch", "cpu") is backend.TORCH_OPS
     assert get_kernel_ops("auto", "mps") is backend.TORCH_OPS
+
+
+@pytest.mark.skipif(not backend.attention_cpu.available(torch.float32), reason="no C compiler here")
+def test_auto_on_cpu_is_the_compiled_attention_where_the_dtype_has_one():
+    assert get_kernel_ops("auto", "cpu") is backend.CPU_OPS
+    assert get_kernel_ops("cpu", "cpu", torch.float64) is backend.CPU_OPS
+    assert get_kernel_ops("auto", "cpu", torch.bfloat16) is backend.TORCH_OPS  # no bf16 C kernel: torch
+    with pytest.raises(ValueError, match="float32/float64"):
+        get_kernel_ops("cpu", "cpu", torch.bfloat16)
+    with pytest.raises(ValueError, match="runs on cpu"):
+        get_kernel_ops("cpu", "cuda")
+
+
+def test_cpu_attention_falls_back_to_torch_without_a_compiler():
+    code = """
+import shutil
+shutil.which = lambda name: None  # no cc, gcc or clang
+from kernels.backend import TORCH_OPS, get_kernel_ops
+assert get_kernel_ops("auto", "cpu") is TORCH_OPS
+"""
+    result = _run_python(code, {"ORCA_CACHE_DIR": "/nonexistent-orca-cache"})
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.triton
