@@ -349,14 +349,14 @@ def latency_target(args: argparse.Namespace, runs: list[dict]) -> tuple[float, s
 
 def sweep_table(runs: list[dict]) -> str:
     width = max(15, *(len(_label(r)) + 2 for r in runs))
-    head = (f"{'policy':<{width}}{'rate':>7}{'done':>6}{'fail':>5}{'req/s':>9}{'tok/s':>9}{'TTFT':>9}{'TPOT':>8}"
-            f"{'e2e':>9}{'norm lat':>10}{'p99 norm':>10}")
+    head = (f"{'policy':<{width}}{'rate':>7}{'done':>6}{'fail':>5}{'req/s':>9}{'tok/s':>9}{'TTFT':>10}{'TPOT':>8}"
+            f"{'e2e':>10}{'norm lat':>10}{'p99 norm':>10}")
     lines = ["", "sweep summary (medians in ms; norm lat = e2e / output tokens, ms/token)", head, "-" * len(head)]
     for run in sorted(runs, key=lambda r: (_label(r), _rate_key(r))):
         m = run["metrics"]
         lines.append(f"{_label(run):<{width}}{run['request_rate']:>7}{m['completed']:>6.0f}{m['failed']:>5.0f}"
-                     f"{m['request_throughput']:>9.3f}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>9.1f}"
-                     f"{m['median_tpot_ms']:>8.1f}{m['median_e2el_ms']:>9.0f}{m['median_norm_latency_ms']:>10.1f}"
+                     f"{m['request_throughput']:>9.3f}{m['output_throughput']:>9.1f}{m['median_ttft_ms']:>10.1f}"
+                     f"{m['median_tpot_ms']:>8.1f}{m['median_e2el_ms']:>10.0f}{m['median_norm_latency_ms']:>10.1f}"
                      f"{m['p99_norm_latency_ms']:>10.1f}")
     return "\n".join(lines)
 
