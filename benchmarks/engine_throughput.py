@@ -39,16 +39,17 @@ def run_engine(engine: LLMEngine, workload: list[dict], label: str) -> dict:
         engine.add_request(r["id"], r["prompt_token_ids"],
                            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True))
     generated = iterations = 0
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()  # process_time: all threads of this process
     while engine.has_unfinished:
         generated += sum(len(d.new_token_ids) for d in engine.step())
         iterations += 1
         if iterations % 50 == 0:
             print(f"  [{label}] iteration {iterations}, {generated} tokens", file=sys.stderr)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     assert engine.kv_cache.num_used_blocks == 0
     return {"policy": label, "seconds": seconds, "generated_tokens": generated, "iterations": iterations,
-            "tokens_per_s": generated / seconds}
+            "tokens_per_s": generated / seconds, "cpu_seconds": cpu_seconds,
+            "cpu_seconds_per_token": cpu_seconds / max(generated, 1)}
 
 
 def warm_up(engine: LLMEngine) -> None:
