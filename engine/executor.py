@@ -58,19 +58,21 @@ class RunnerArgs:
     max_model_len: int
     seed: int
     kernel_backend: str
+    enforce_eager: bool | None = None
 
     @staticmethod
     def of(config: EngineConfig, max_model_len: int) -> RunnerArgs:
         m, c = config.model, config.cache
         return RunnerArgs(m.model, m.dtype, m.device, c.num_blocks, c.block_size, max_model_len, m.seed,
-                          m.kernel_backend)
+                          m.kernel_backend, m.enforce_eager)
 
     def build(self, groups=None):
         from model.runner import ModelRunner
 
         return ModelRunner(self.model_dir, dtype=self.dtype, device=self.device, num_blocks=self.num_blocks,
                            block_size=self.block_size, max_model_len=self.max_model_len, seed=self.seed,
-                           kernel_backend=self.kernel_backend, groups=groups)
+                           kernel_backend=self.kernel_backend, groups=groups,
+                           enforce_eager=self.enforce_eager)
 
 
 class LocalExecutor:

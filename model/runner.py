@@ -16,6 +16,7 @@ from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, Scheduler
 from kernels.backend import get_kernel_ops
 from model.distributed import ParallelGroups
 from model.loader import load_model, resolve_dtype
+from model.compiled import CompiledForward, warm_up
 from model.metadata import AttentionMetadata
 from model.sampler import SamplingState, sample
 from model.tensor_parallel import local_kv_heads
@@ -40,7 +41,10 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model_dir: str, *, dtype: str, device: str, num_blocks: int, block_size: int,
                  max_model_len: int, seed: int, kernel_backend: str = "auto",
-                 groups: ParallelGroups | None = None) -> None:
+                 groups: ParallelGroups | None = None, enforce_eager: bool | None = None) -> None:
+        """`enforce_eager`: True runs the plain torch step; False compiles it (model/compiled.py); None
+        compiles where it pays: on CUDA, not on CPU (there the token-wise ops already run at matmul speed;
+        benchmarks/README.md has the measurement). Compilation covers a single worker (no -tp/-pp)."""
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
         self.groups = groups or ParallelGroups()
@@ -49,9 +53,16 @@ class ModelRunner:
                                            groups=self.groups)
         self.ops = get_kernel_ops(kernel_backend, self.device.type, self.dtype)
         self.block_size = block_size
-        self.kv_caches = self._allocate_kv_cache(num_blocks, block_size)
+        compile_step = _should_compile(enforce_eager, self.device, self.groups.rank.world_size)
+        # A compiled step gets one block past the KV manager's: warm-up and CUDA-graph padding write there.
+        self.kv_caches = self._allocate_kv_cache(num_blocks + compile_step, block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
+        self.compiled: CompiledForward | None = None
+        if compile_step:
+            self.compiled = CompiledForward(self.model, self.ops, self.device, self.kv_caches, scratch_block=num_blocks,
+                                            max_blocks_per_seq=-(-max_model_len // block_size))
+            warm_up(self.compiled, self.kv_caches, self.device)
 
     def _allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Allocated once at start-up, for this stage's layers and this rank's KV heads."""
@@ -87,6 +98,8 @@ class ModelRunner:
     def _run_stage(self, batch: BatchInputs) -> torch.Tensor | None:
         """This stage's part of the forward pass; the final hidden states on the output rank."""
         model, rank = self.model, self.rank
+        if self.compiled is not None:  # a single worker: the whole forward pass in one compiled call
+            return self.compiled(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if rank.is_first_stage:
             h, residual = model.embed(batch.input_ids, batch.positions), None
         else:
@@ -161,3 +174,12 @@ class ModelRunner:
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
+
+
+def _should_compile(enforce_eager: bool | None, device: torch.device, world_size: int) -> bool:
+    if enforce_eager is None:
+        return device.type == "cuda" and world_size == 1
+    if not enforce_eager and world_size > 1:
+        raise ValueError("a compiled model step (--no-enforce-eager) runs a single worker; drop -tp/-pp or use "
+                         "--enforce-eager")
+    return not enforce_eager

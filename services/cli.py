@@ -27,7 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--enable-prefix-caching", action="store_true", help="share KV of identical prompt prefixes")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
-                   help="auto: Triton kernels on CUDA, torch on CPU")
+                   help="auto: Triton kernels on CUDA, the compiled C attention on CPU (torch without a C compiler)")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="--enforce-eager: the plain torch step; --no-enforce-eager: compile it (torch.compile) "
+                        "on any device; default: compile on CUDA only")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="workers per pipeline stage")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages (as many batches in flight)")
@@ -38,7 +41,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = str(Path(args.model).expanduser())
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, kernel_backend=args.kernel_backend),
+                          seed=args.seed, kernel_backend=args.kernel_backend,
+                          enforce_eager=args.enforce_eager),
         scheduler=SchedulerConfig(policy=args.scheduler, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill),

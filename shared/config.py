@@ -71,6 +71,10 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kernel_backend: str = "auto"
     """`auto`: Triton kernels on CUDA; on CPU the compiled C attention kernel (torch where no C compiler
     is found); `torch` the plain torch path, the reference."""
+    enforce_eager: bool | None = None
+    """True: the plain torch step (debugging, float64 exactness). False: the step compiled with
+    torch.compile (CUDA graphs for decode on CUDA). None: compiled where it pays, on CUDA; eager on CPU,
+    where compiling measured no faster (benchmarks/README.md)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -55,9 +55,9 @@ def hf_greedy(model_dir, prompts, dtype) -> list[list[int]]:
 
 
 def orca_run(model_dir, prompts, *, dtype="float64", policy="orca", max_num_seqs=16, block_size=16,
-             chunked=False, logprobs=None, kv_cache_tokens=4096, prefix=False) -> dict:
+             chunked=False, logprobs=None, kv_cache_tokens=4096, prefix=False, enforce_eager=None) -> dict:
     config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype=dtype),
+        model=ModelConfig(model=str(model_dir), dtype=dtype, enforce_eager=enforce_eager),
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=24 if chunked else None, enable_chunked_prefill=chunked),
         cache=CacheConfig(kv_cache_tokens=kv_cache_tokens, block_size=block_size, enable_prefix_caching=prefix),
@@ -118,3 +118,22 @@ def test_logprobs_agree_with_transformers_float32(checkpoint):
             assert lp.logprob == pytest.approx(expected[step, lp.token_id].item(), abs=2e-4)
             for token_id, value in lp.top:
                 assert value == pytest.approx(expected[step, token_id].item(), abs=2e-4)
+
+
+@pytest.mark.parametrize("policy,chunked,prefix,kv_tokens", [("orca", False, False, 4096), ("paged", True, True, 80)])
+def test_compiled_step_equals_the_eager_step_float32(checkpoint, policy, chunked, prefix, kv_tokens):
+    """torch.compile'd step (model/compiled.py): the eager step's greedy tokens, logprobs within 1e-4,
+    also under preemption, chunked prefill and prefix reuse."""
+    arch, model_dir = checkpoint
+    if policy == "paged" and arch != "llama":
+        pytest.skip("one architecture covers the paged path; each compile costs seconds")
+    prompts = workload(seed=2, n=6, shared_prefix=prefix)
+    runs = [orca_run(model_dir, prompts, dtype="float32", logprobs=3, policy=policy, block_size=4, chunked=chunked,
+                     kv_cache_tokens=kv_tokens, prefix=prefix, enforce_eager=eager) for eager in (True, False)]
+    eager, compiled = runs
+    for i in range(len(prompts)):
+        assert compiled[i].token_ids == eager[i].token_ids, i
+        for a, b in zip(compiled[i].logprobs, eager[i].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    if kv_tokens < 100:
+        assert compiled["preemptions"] > 0, "the test meant to force preemption"
