@@ -27,18 +27,56 @@ class SamplingState:
 
 def sample(logits: torch.Tensor, states: list[SamplingState],
            default_generator: torch.Generator) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: (N, V), row i belongs to states[i]. Returns token ids and optional logprobs."""
+    """logits: (N, V), row i belongs to states[i]. Returns token ids and optional logprobs.
+
+    Batched: greedy rows take one argmax, unseeded random rows one batched draw; only rows with
+    penalties or their own seed (whose draws must not depend on the batch) are handled one by one."""
     raw = logits
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits.clone()
-    for row, state in enumerate(states):
-        if state.params.needs_penalties:
-            _apply_penalties(logits[row], state)
-    if all(s.params.is_greedy for s in states):
-        tokens = logits.argmax(dim=-1).tolist()
-    else:
-        tokens = [_draw(logits[row], s, default_generator) for row, s in enumerate(states)]
-    logprobs = _logprobs(raw, tokens, states)
-    return tokens, logprobs
+    penalised = [row for row, s in enumerate(states) if s.params.needs_penalties]
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    elif penalised:
+        logits = logits.clone()  # penalties write into it; the raw logits feed the logprobs
+    for row in penalised:
+        _apply_penalties(logits[row], states[row])
+    tokens = logits.argmax(dim=-1)  # (N,): the greedy rows' answer
+    random_rows = [row for row, s in enumerate(states) if not s.params.is_greedy]
+    if random_rows:
+        tokens = tokens.clone()
+        unseeded = [row for row in random_rows if states[row].generator is None]
+        if unseeded:
+            tokens[unseeded] = _draw_batch(logits[unseeded], [states[row].params for row in unseeded],
+                                           default_generator)
+        for row in random_rows:
+            if states[row].generator is not None:
+                tokens[row] = _draw(logits[row], states[row], default_generator)
+    token_list = tokens.tolist()
+    return token_list, _logprobs(raw, token_list, states)
+
+
+def _draw_batch(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator) -> torch.Tensor:
+    """One draw per row (n, V) with per-row temperature, top-k, top-p and min-p, in a fixed number of
+    tensor ops whatever n is."""
+    n, vocab = logits.shape
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+    logits = logits / temperature[:, None]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (n, V)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        keep_k = torch.tensor(top_k, device=logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(rank >= keep_k, float("-inf"))
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token: keep the one crossing top_p
+        limit = torch.tensor(top_p, dtype=probs.dtype, device=logits.device)[:, None]
+        sorted_logits = sorted_logits.masked_fill(before > limit, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=logits.device)[:, None]
+    probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    noise = torch.empty_like(probs).exponential_(generator=generator)  # Gumbel-max, as in _draw
+    return (probs / noise).argmax(dim=-1)
 
 
 def _apply_penalties(row: torch.Tensor, state: SamplingState) -> None:

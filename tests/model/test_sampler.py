@@ -97,3 +97,22 @@ def test_bad_values_raise_a_value_error_naming_the_field(field, value):
 
 def test_top_k_minus_one_means_disabled_as_in_vllm():
     assert SamplingParams(top_k=-1).validate().top_k == 0
+
+
+def test_one_batch_of_mixed_parameters_applies_each_rows_own():
+    """The batched draw: greedy, top-k, top-p, min-p and plain rows side by side, 100 draws each."""
+    row = [2.0, 1.9, 1.0, 0.1, -1.0]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=2),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, min_p=0.5),
+              SamplingParams(temperature=1.0)]
+    seen: list[set[int]] = [set() for _ in params]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        tokens, _ = sample(torch.tensor([row] * len(params)), [state(p) for p in params], gen)
+        for i, t in enumerate(tokens):
+            seen[i].add(t)
+    assert seen[0] == {0}
+    assert seen[1] == {0, 1}
+    assert seen[2] <= {0, 1} and len(seen[2]) == 2  # probabilities ~[.39, .35, .14, ...]: two reach 0.5
+    assert seen[3] == {0, 1}  # 0.5 x 0.39 drops everything below 0.195
+    assert len(seen[4]) >= 4
