@@ -112,7 +112,7 @@ class CompiledForward:
                 return self._graph_decode(size, input_ids, positions, kv_caches, meta)
         # Size-oblivious: a batch of one token (or one request, or one block) reuses the general graph
         # instead of specialising on 1; each combination would be a recompile.
-        with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
             return self._dynamic(input_ids, positions, kv_caches, _tensor_meta(meta))
 
     def _graph_decode(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -150,8 +150,9 @@ def warm_up(forward: CompiledForward, kv_caches: list, device: torch.device) -> 
     shapes = [(1, 1), (2, 1), (1, block_size), (3, max(2, block_size // 2))]  # (requests, tokens each)
     if forward.use_cuda_graphs:
         shapes += [(size, 1) for size in CUDA_GRAPH_SIZES]
-    for num_requests, q_len in shapes:
-        forward(*_dummy_batch(num_requests, q_len, forward.scratch_block, block_size, device, kv_caches))
+    with torch.inference_mode():  # as the runner calls it: grad mode is part of every graph's guards
+        for num_requests, q_len in shapes:
+            forward(*_dummy_batch(num_requests, q_len, forward.scratch_block, block_size, device, kv_caches))
     seconds = time.perf_counter() - start
     log.info("compiled the model step in %.1f s", seconds)
     return seconds
