@@ -8,8 +8,10 @@ hidden states and residual, and only the output rank (last stage, TP rank 0) sam
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
@@ -135,45 +137,38 @@ class ModelRunner:
                             SamplingState(new.params, tokens, new.num_prompt_tokens, generator))
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
+        """The iteration's flat inputs and attention metadata, built once for all layers: per request
+        only a slice of its tokens and of its block table; positions and slots are computed in numpy."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        logits_indices: list[int] = []
-        sampled: list[str] = []
-        for item in scheduled:
-            state = self.requests[item.request_id]
-            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            blocks = state.block_ids
-            input_ids.extend(state.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(blocks[:-(-end // bs)])
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + item.num_new_tokens)
-            if item.samples:
-                logits_indices.append(query_start[-1] - 1)
-                sampled.append(item.request_id)
-        width = max(len(t) for t in tables)
-        table_tensor = torch.zeros((len(tables), width), dtype=torch.int32)
-        for row, table in enumerate(tables):
-            table_tensor[row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        states = [self.requests[item.request_id] for item in scheduled]
+        starts = np.fromiter((item.num_computed_tokens for item in scheduled), np.int64, len(scheduled))
+        counts = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, len(scheduled))
+        ends = starts + counts
+        query_start = np.concatenate(([0], np.cumsum(counts)))
+        num_blocks = -(-ends // bs)
+        tables = np.zeros((len(scheduled), int(num_blocks.max())), dtype=np.int32)
+        for row, (state, n) in enumerate(zip(states, num_blocks.tolist())):
+            tables[row, :n] = state.block_ids[:n]
+        input_ids = np.fromiter(itertools.chain.from_iterable(
+            state.token_ids[s:e] for state, s, e in zip(states, starts.tolist(), ends.tolist())), np.int64)
+        rows = np.repeat(np.arange(len(scheduled)), counts)  # (T,) the request of each token
+        positions = np.arange(len(input_ids)) - query_start[:-1][rows] + starts[rows]
+        slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        sampled_rows = [i for i, item in enumerate(scheduled) if item.samples]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=table_tensor.to(self.device),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            query_start_loc=self._tensor(query_start, torch.int32),
-            max_query_len=max(item.num_new_tokens for item in scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=self._tensor(slots),
+            block_tables=self._tensor(tables),
+            seq_lens=self._tensor(ends.astype(np.int32)),
+            query_start_loc=self._tensor(query_start.astype(np.int32)),
+            max_query_len=int(counts.max()),
+            max_seq_len=int(ends.max()),
         )
-        return BatchInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                           self._tensor(logits_indices, torch.int64), sampled)
+        return BatchInputs(self._tensor(input_ids), self._tensor(positions), meta,
+                           self._tensor(query_start[1:][sampled_rows] - 1),
+                           [scheduled[i].request_id for i in sampled_rows])
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+    def _tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(self.device)
 
 
 def _should_compile(enforce_eager: bool | None, device: torch.device, world_size: int) -> bool:
