@@ -53,7 +53,8 @@ for MODEL in "$@"; do
     rm -f "$D"/orca.json "$D"/vllm-default.json "$D"/vllm-eager.json
     echo "$MODEL -> $D" >&2
     run "orca (engine_throughput.py, writes the workload)" "$D/orca.log" \
-        .venv/bin/python benchmarks/engine_throughput.py --model "$MODEL" --num-requests "$N" \
+        .venv/bin/python benchmarks/engine_throughput.py --model "$MODEL" --num-requests "$N" --only-orca \
+        --input-len 16:256 --output-len 8:256 --max-num-seqs 256 ${ORCA_THREADS:+--threads $ORCA_THREADS} \
         --kv-cache-tokens "$KV_TOKENS" --write-workload "$D/workload.jsonl" --out "$D/orca.json"
     [ -s "$D/workload.jsonl" ] || { echo "no workload written for $MODEL, see $D/orca.log" >&2; exit 1; }
     run "vLLM default (compiled)" "$D/vllm-default.log" \
@@ -94,10 +95,13 @@ for model in models:
     vd_tps, ve_tps = vd and vd["generated_tokens_per_s"], ve and ve["generated_tokens_per_s"]
     ratio = f"{o_tps / vd_tps:.2f}x" if o_tps and vd_tps else "n/a"
     ms = lambda x: None if x is None else 1000 * x
+    single = lambda r: "n/a" if not r or "single_stream" not in r else \
+        f"{r['single_stream']['decode_ms_per_token']:.2f} / {r['single_stream']['ttft_ms']:.1f}"
     rows.append(f"| {os.path.basename(model.rstrip('/'))} | {fmt(o_tps)} | {fmt(vd_tps)} | {ratio} | {fmt(ve_tps)} "
                 f"| {fmt(ms(o and o['cpu_seconds_per_token']), '.2f')} "
                 f"| {fmt(ms(vd and vd['cpu_seconds_per_generated_token']), '.2f')} "
-                f"| {fmt(ms(ve and ve['cpu_seconds_per_generated_token']), '.2f')} |")
+                f"| {fmt(ms(ve and ve['cpu_seconds_per_generated_token']), '.2f')} "
+                f"| {single(o)} | {single(vd)} |")
     for label, r in (("vLLM default (compiled)", vd), ("vLLM enforce_eager", ve)):
         if r:
             notes.append(f"- {os.path.basename(model)} {label}: mode={r['mode']}, max_num_seqs={r['max_num_seqs']}, "
@@ -105,16 +109,17 @@ for model in models:
                          f"init {r['engine_init_s']:.0f} s, {r['total_generated_tokens']} tokens generated, "
                          f"CPU by process {r['cpu_seconds_by_process']}; whole run: {whole_cpu(f'{d}/' + ('vllm-default' if r is vd else 'vllm-eager') + '.time')}")
     if o:
-        notes.append(f"- {os.path.basename(model)} orca: max_num_seqs=128 (engine_throughput.py), "
+        notes.append(f"- {os.path.basename(model)} orca: max_num_seqs=256, {orca['threads']} torch threads, "
                      f"{o['generated_tokens']} tokens generated, {o['cpu_seconds']:.1f} CPU s in its run; "
-                     f"whole process (orca + request-level runs + bare loop): {whole_cpu(f'{d}/orca.time')}")
+                     f"whole process: {whole_cpu(f'{d}/orca.time')}")
 
-print(f"\nOffline throughput, {n} requests all at once (input U[32,512], output U[1,128], EOS ignored, greedy, "
+print(f"\nOffline throughput, {n} requests all at once (input U[16,256], output U[8,256], EOS ignored, greedy, "
       f"float32), KV cache {kv} tokens for both, tcmalloc preloaded; out tok/s = generated tokens / wall s\n")
 print("| checkpoint | orca out tok/s | vLLM (default, compiled) out tok/s | orca / vLLM default "
       "| vLLM enforce_eager out tok/s (not default) | orca CPU ms/token | vLLM default CPU ms/token "
-      "| vLLM enforce_eager CPU ms/token |")
-print("|---|---|---|---|---|---|---|---|")
+      "| vLLM enforce_eager CPU ms/token | orca single stream decode ms/token / TTFT ms "
+      "| vLLM default single stream decode ms/token / TTFT ms |")
+print("|---|---|---|---|---|---|---|---|---|---|")
 print("\n".join(rows))
 print(f"\nload average at start: {load_start}\nload average at end:   {load_end}")
 print("\n" + "\n".join(notes))

@@ -19,6 +19,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from shared.env import prefer_passive_openmp  # noqa: E402
+
+prefer_passive_openmp()  # as `orca generate` does, before torch is imported
+import torch  # noqa: E402
+
 from benchmarks.workload import orca_paper_workload  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from model.runner import ModelRunner  # noqa: E402
@@ -27,11 +32,17 @@ from shared.sampling import SamplingParams  # noqa: E402
 
 
 def make_engine(args: argparse.Namespace, policy: str) -> LLMEngine:
+    # stream_text=False: as `orca generate` runs it (texts decoded once, at each request's end)
     return LLMEngine(EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype),
+        model=ModelConfig(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager),
         scheduler=SchedulerConfig(policy=policy, max_num_seqs=args.max_num_seqs),
         cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size),
-    ))
+    ), stream_text=False)
+
+
+def length_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    return int(low), int(high or low)
 
 
 def run_engine(engine: LLMEngine, workload: list[dict], label: str) -> dict:
@@ -71,6 +82,26 @@ def bare_loop(args: argparse.Namespace, iterations: list, max_model_len: int) ->
     return time.perf_counter() - start
 
 
+def single_stream_latency(engine: LLMEngine, prompt: list[int], decode_tokens: int = 128,
+                          repeats: int = 3) -> dict:
+    """One request alone: TTFT (a 1-token request) and decode ms/token, (t(1 + n) - t(1)) / n; best of repeats
+    (the same measurement benchmarks/vllm_baseline.py makes)."""
+    def timed(max_tokens: int) -> float:
+        best = float("inf")
+        for i in range(repeats):
+            start = time.perf_counter()
+            engine.add_request(f"single-{max_tokens}-{i}", prompt,
+                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            while engine.has_unfinished:
+                engine.step()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    first = timed(1)
+    return {"ttft_ms": round(1e3 * first, 2),
+            "decode_ms_per_token": round(1e3 * (timed(1 + decode_tokens) - first) / decode_tokens, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -80,37 +111,54 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--input-len", type=length_range, default=(32, 512), help="prompt lengths LOW:HIGH, uniform")
+    parser.add_argument("--output-len", type=length_range, default=(1, 128), help="output lengths LOW:HIGH, uniform")
+    parser.add_argument("--only-orca", action="store_true", help="skip the request-level run and the bare loop")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="as `orca generate`'s flag (default: compiled on CUDA only)")
     parser.add_argument("--write-workload", help="also write the workload as JSONL (for the vLLM baseline)")
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args()
 
-    workload = orca_paper_workload(args.num_requests, args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workload = orca_paper_workload(args.num_requests, args.seed, input_range=args.input_len,
+                                   output_range=args.output_len)
     if args.write_workload:
         with open(args.write_workload, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in workload)
     results = {}
     bare_seconds = 0.0
-    for policy in ("orca", "request-level"):
+    for policy in ("orca",) if args.only_orca else ("orca", "request-level"):
         engine = make_engine(args, policy)
         warm_up(engine)
         engine.record_iterations = policy == "orca"
         results[policy] = run_engine(engine, workload, policy)
+        if policy == "orca":
+            results[policy]["single_stream"] = single_stream_latency(engine, workload[0]["prompt_token_ids"][:64])
         print(json.dumps(results[policy]), file=sys.stderr)
-        if policy == "orca":  # replayed right after the run it replays, in the same conditions
+        if policy == "orca" and not args.only_orca:  # replayed right after the run it replays, in the same conditions
             bare_seconds = bare_loop(args, engine.iterations, engine.max_model_len)
         del engine
-    orca, baseline = results["orca"], results["request-level"]
+    orca = results["orca"]
+    (lo_in, hi_in), (lo_out, hi_out) = args.input_len, args.output_len
     summary = {
-        "workload": f"{args.num_requests} requests, input U[32,512], output U[1,128], EOS ignored",
+        "workload": f"{args.num_requests} requests, input U[{lo_in},{hi_in}], output U[{lo_out},{hi_out}], EOS ignored",
         "orca_tokens_per_s": round(orca["tokens_per_s"], 1),
-        "request_level_tokens_per_s": round(baseline["tokens_per_s"], 1),
-        "orca_over_request_level": round(orca["tokens_per_s"] / baseline["tokens_per_s"], 3),
-        "bare_loop_seconds": round(bare_seconds, 3),
         "engine_seconds": round(orca["seconds"], 3),
-        "engine_efficiency": round(bare_seconds / orca["seconds"], 3),
+        "threads": torch.get_num_threads(),
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
         "results": results,
     }
+    if not args.only_orca:
+        baseline = results["request-level"]
+        summary.update({
+            "request_level_tokens_per_s": round(baseline["tokens_per_s"], 1),
+            "orca_over_request_level": round(orca["tokens_per_s"] / baseline["tokens_per_s"], 3),
+            "bare_loop_seconds": round(bare_seconds, 3),
+            "engine_efficiency": round(bare_seconds / orca["seconds"], 3),
+        })
     print(json.dumps(summary, indent=2))
     if args.out:
         with open(args.out, "w") as f:

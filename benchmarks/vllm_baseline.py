@@ -197,6 +197,24 @@ def timed_generate(llm, reqs):
     return outputs, wall, cpu_delta(cpu0, process_cpu_seconds())
 
 
+def single_stream_latency(llm, prompt, decode_tokens=128, repeats=3):
+    """One request alone: TTFT (a 1-token request) and decode ms/token, (t(1 + n) - t(1)) / n; best of repeats."""
+    from vllm import SamplingParams, TokensPrompt
+
+    def timed(max_tokens):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        best = float("inf")
+        for _ in range(repeats):
+            t = time.perf_counter()
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], [sp], use_tqdm=False)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    first = timed(1)
+    return {"ttft_ms": round(1e3 * first, 2),
+            "decode_ms_per_token": round(1e3 * (timed(1 + decode_tokens) - first) / decode_tokens, 3)}
+
+
 def main(argv=None):
     args = parse_args(argv)
     reqs = load_workload(args.input, args.limit)
@@ -220,6 +238,8 @@ def main(argv=None):
 
     warm_up(llm, reqs, args.warmup_requests)
     outputs, wall, cpu = timed_generate(llm, reqs)
+    single_stream = single_stream_latency(llm, reqs[0]["prompt_token_ids"][:64])
+    print(f"single stream: {single_stream}", flush=True)
 
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in reqs)
     gen_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -227,6 +247,7 @@ def main(argv=None):
     cpu_total = sum(cpu.values())
     result = {
         "engine": "vllm",
+        "single_stream": single_stream,
         "mode": mode,
         "vllm_version": vllm.__version__,
         "torch_version": torch.__version__,

@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    env.prefer_passive_openmp()  # before anything imports torch; children (services, Ray workers) inherit it
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
