@@ -5,11 +5,11 @@
 # in tokens, tcmalloc preloaded for every process. Prints one markdown table, and the load average at
 # the start and the end.
 #
-#   benchmarks/compare_vllm.sh [CHECKPOINT_DIR ...]
+#   benchmarks/compare_vllm.sh [CHECKPOINT_DIR[:NUM_REQUESTS] ...]
 #
-# With no directory it uses three demo checkpoints, made if missing: .cache/demo-llama (llama tiny),
-# .cache/demo-gpt2 (gpt2 tiny), .cache/demo-llama-small (llama small).
-# Environment: N (requests, default 256), KV_TOKENS (KV cache slots for both engines, default 65536),
+# With no directory it uses three demo checkpoints, made if missing: .cache/demo-llama:128 (llama tiny),
+# .cache/demo-gpt2:128 (gpt2 tiny), .cache/demo-llama-small:32 (llama small, ~110M parameters).
+# Environment: N (requests where a directory gives none, default 256), ORCA_THREADS (orca's torch threads), KV_TOKENS (KV cache slots for both engines, default 65536),
 # VLLM_PYTHON (default /work/vllm-venv/bin/python, see benchmarks/setup_vllm.sh), OUT (default
 # out/bench/compare-vllm).
 #
@@ -27,15 +27,16 @@ TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 mkdir -p "$OUT"
 
 if [ $# -eq 0 ]; then
-    set -- .cache/demo-llama .cache/demo-gpt2 .cache/demo-llama-small
+    set -- .cache/demo-llama:128 .cache/demo-gpt2:128 .cache/demo-llama-small:32
     make_demo() { [ -f "$1/config.json" ] || .venv/bin/orca make-demo-model "$1" --arch "$2" --size "$3"; }
     make_demo .cache/demo-llama llama tiny
     make_demo .cache/demo-gpt2 gpt2 tiny
     make_demo .cache/demo-llama-small llama small
 fi
 
-for MODEL in "$@"; do
-    [ -f "$MODEL/config.json" ] || { echo "$MODEL: not a checkpoint directory (the request count is N=..., not an argument)" >&2; exit 2; }
+for SPEC in "$@"; do
+    MODEL=${SPEC%%:*}
+    [ -f "$MODEL/config.json" ] || { echo "$MODEL: not a checkpoint directory (give DIR or DIR:N)" >&2; exit 2; }
 done
 
 LOAD_START=$(cat /proc/loadavg)
@@ -47,13 +48,18 @@ run() {
         echo "  $name FAILED, see $log" >&2
     fi
 }
-for MODEL in "$@"; do
+MODELS=()
+for SPEC in "$@"; do
+    MODEL=${SPEC%%:*}
+    NUM=$N
+    [ "$SPEC" = "$MODEL" ] || NUM=${SPEC#*:}
+    MODELS+=("$MODEL")
     D="$OUT/$(basename "$MODEL")"
     mkdir -p "$D"
     rm -f "$D"/orca.json "$D"/vllm-default.json "$D"/vllm-eager.json
     echo "$MODEL -> $D" >&2
     run "orca (engine_throughput.py, writes the workload)" "$D/orca.log" \
-        .venv/bin/python benchmarks/engine_throughput.py --model "$MODEL" --num-requests "$N" --only-orca \
+        .venv/bin/python benchmarks/engine_throughput.py --model "$MODEL" --num-requests "$NUM" --only-orca \
         --input-len 16:256 --output-len 8:256 --max-num-seqs 256 ${ORCA_THREADS:+--threads $ORCA_THREADS} \
         --kv-cache-tokens "$KV_TOKENS" --write-workload "$D/workload.jsonl" --out "$D/orca.json"
     [ -s "$D/workload.jsonl" ] || { echo "no workload written for $MODEL, see $D/orca.log" >&2; exit 1; }
@@ -66,7 +72,7 @@ for MODEL in "$@"; do
 done
 LOAD_END=$(cat /proc/loadavg)
 
-.venv/bin/python - "$OUT" "$N" "$KV_TOKENS" "$LOAD_START" "$LOAD_END" "$@" <<'PY'
+.venv/bin/python - "$OUT" "$N" "$KV_TOKENS" "$LOAD_START" "$LOAD_END" "${MODELS[@]}" <<'PY'
 import json, os, re, sys
 
 out, n, kv, load_start, load_end, models = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]
@@ -97,7 +103,8 @@ for model in models:
     ms = lambda x: None if x is None else 1000 * x
     single = lambda r: "n/a" if not r or "single_stream" not in r else \
         f"{r['single_stream']['decode_ms_per_token']:.2f} / {r['single_stream']['ttft_ms']:.1f}"
-    rows.append(f"| {os.path.basename(model.rstrip('/'))} | {fmt(o_tps)} | {fmt(vd_tps)} | {ratio} | {fmt(ve_tps)} "
+    requests = orca["workload"].split(" requests")[0] if orca else "?"
+    rows.append(f"| {os.path.basename(model.rstrip('/'))} ({requests} requests) | {fmt(o_tps)} | {fmt(vd_tps)} | {ratio} | {fmt(ve_tps)} "
                 f"| {fmt(ms(o and o['cpu_seconds_per_token']), '.2f')} "
                 f"| {fmt(ms(vd and vd['cpu_seconds_per_generated_token']), '.2f')} "
                 f"| {fmt(ms(ve and ve['cpu_seconds_per_generated_token']), '.2f')} "
@@ -113,7 +120,7 @@ for model in models:
                      f"{o['generated_tokens']} tokens generated, {o['cpu_seconds']:.1f} CPU s in its run; "
                      f"whole process: {whole_cpu(f'{d}/orca.time')}")
 
-print(f"\nOffline throughput, {n} requests all at once (input U[16,256], output U[8,256], EOS ignored, greedy, "
+print(f"\nOffline throughput, all requests at once (input U[16,256], output U[8,256], EOS ignored, greedy, "
       f"float32), KV cache {kv} tokens for both, tcmalloc preloaded; out tok/s = generated tokens / wall s\n")
 print("| checkpoint | orca out tok/s | vLLM (default, compiled) out tok/s | orca / vLLM default "
       "| vLLM enforce_eager out tok/s (not default) | orca CPU ms/token | vLLM default CPU ms/token "
