@@ -21,7 +21,7 @@ import time
 import torch
 import torch.fx.experimental._config
 
-from kernels.backend import KernelOps
+from kernels.backend import TRITON_OPS, KernelOps
 from model.metadata import AttentionMetadata
 
 log = logging.getLogger("orca.model")
@@ -87,7 +87,8 @@ class CompiledForward:
         self.ops = compiled_ops(ops, device.type)
         self.scratch_block = scratch_block
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.use_cuda_graphs = device.type == "cuda"
+        # Capturable only with kernels that never sync with the host (the torch attention path does).
+        self.use_cuda_graphs = device.type == "cuda" and ops is TRITON_OPS
         # Dynamo caches graphs per code object, and `_forward` is one code object for every instance: a
         # new model (a test's next checkpoint) would count as recompiles of the old one. One model step
         # is compiled per process; start it clean (Inductor's on-disk cache still makes this fast).
