@@ -3,6 +3,11 @@
 Pure: status messages in, `(engine, requests)` decisions out. It keeps no KV ledger of its
 own: an engine's room is what that engine last reported, and after an Admit the engine is
 not offered more until a status echoes that Admit (so a report is never counted twice).
+
+Statuses are also heartbeats (`core.liveness`): an engine silent past the expiry, or replaced by a
+new incarnation, is dropped at once and offered nothing more; the tokenizers that own its requests
+resume them. Requests that wait while no engine at all is alive end after `no_engine_timeout_s`,
+so that nothing waits forever.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from shared.messages import EngineStatus, TokenizedRequest
+from core.liveness import Heartbeats
+from shared.messages import STATUS_EXPIRY_S, EngineStatus, TokenizedRequest
 
 
 class QueueFull(Exception):
@@ -33,14 +39,21 @@ def reservation_blocks(request: TokenizedRequest, status: EngineStatus) -> int:
 
 
 class AdmissionQueue:
-    def __init__(self, max_queue_len: int) -> None:
+    def __init__(self, max_queue_len: int, expiry_s: float = STATUS_EXPIRY_S,
+                 no_engine_timeout_s: float = 60.0) -> None:
         self.max_queue_len = max_queue_len
         self.queue: OrderedDict[str, TokenizedRequest] = OrderedDict()
         self.engines: dict[str, EngineView] = {}
+        self.heartbeats = Heartbeats(expiry_s)
+        self.no_engine_timeout_s = no_engine_timeout_s
+        self._no_engine_since: float | None = None
 
     def submit(self, request: TokenizedRequest) -> None:
         if request.request_id in self.queue:
-            raise ValueError(f"request id {request.request_id!r} is already queued")
+            # Its tokenizer sent it again (it saw a new admission incarnation, or resumes it): the
+            # newer copy knows more (tokens already generated); it keeps the older one's place.
+            self.queue[request.request_id] = request
+            return
         if len(self.queue) >= self.max_queue_len:
             raise QueueFull(f"the admission queue is full ({self.max_queue_len} requests); retry later")
         self.queue[request.request_id] = request
@@ -52,7 +65,8 @@ class AdmissionQueue:
     def remove(self, request_id: str) -> TokenizedRequest | None:
         return self.queue.pop(request_id, None)
 
-    def on_status(self, status: EngineStatus) -> None:
+    def on_status(self, status: EngineStatus, now: float = 0.0) -> None:
+        self.heartbeats.beat(status.replica, status.incarnation, now)
         view = self.engines.get(status.replica)
         if view is None or view.status.incarnation != status.incarnation:
             self.engines[status.replica] = EngineView(status, status.last_admit_sequence)
@@ -61,6 +75,28 @@ class AdmissionQueue:
 
     def forget_engine(self, replica: str) -> None:
         self.engines.pop(replica, None)
+        self.heartbeats.forget(replica)
+
+    def expire(self, now: float) -> list[str]:
+        """Drop the engines silent past the expiry (dead or hung); returns their replica names."""
+        gone = [replica for replica, _ in self.heartbeats.expire(now)]
+        for replica in gone:
+            self.engines.pop(replica, None)
+        return gone
+
+    def starved(self, now: float) -> list[TokenizedRequest]:
+        """Remove and return every queued request once no engine has been alive for
+        `no_engine_timeout_s` (an engine that restarts comes back well within it)."""
+        if self.engines or not self.queue:
+            self._no_engine_since = None
+            return []
+        if self._no_engine_since is None:
+            self._no_engine_since = now
+        if now - self._no_engine_since < self.no_engine_timeout_s:
+            return []
+        starved = list(self.queue.values())
+        self.queue.clear()
+        return starved
 
     def decide(self) -> list[tuple[str, int, list[TokenizedRequest]]]:
         """Admit from the head of the queue, FCFS, while some engine reported room; returns

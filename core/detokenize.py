@@ -28,6 +28,11 @@ class IncrementalDetokenizer:
     def watches_stop_strings(self) -> bool:
         return bool(self._stop)
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token added so far (read only): what a resumed request already has."""
+        return self._tokens
+
     def add(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the new final text (after a stop string matches: nothing more)."""
         if self.stopped:

@@ -2,8 +2,10 @@
 
 Starts (unless pointed elsewhere) a local nats-server and a local Ray, the engine masters
 and their workers as Ray actors, and the tokenizer and admission services as processes
-(`python -m services.<name>`, as docker-compose runs them). Stays up until Ctrl-C or
-SIGTERM, then drains: the tokenizer refuses new requests (HTTP clients get 503) and lets those
+(`python -m services.<name>`, as docker-compose runs them). It supervises them: a service
+process that exits or hangs is restarted with backoff (services/supervise.py), an engine master
+that dies or hangs is restarted through Ray (services/engine/launch.py), and the rest keep
+serving meanwhile. Stays up until Ctrl-C or SIGTERM, then drains: the tokenizer refuses new requests (HTTP clients get 503) and lets those
 in flight finish for up to --drain-timeout seconds (the rest end with an error event), the jobs
 service stops pulling and lets its jobs finish (the rest are redelivered on the next start);
 then it stops everything it started.
@@ -16,14 +18,17 @@ import asyncio
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
 from shared.codec import Codec
 from shared.config import EngineConfig
@@ -49,23 +54,33 @@ def service_command(name: str, nats_url: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", f"services.{name}", "--nats-url", nats_url, *extra]
 
 
-def start_engines(config: EngineConfig, nats_url: str, replicas: int, worker_threads: int | None,
-                  step_timeout_s: float = 120.0, worker_cpus: float = 1.0) -> tuple[list, list]:
-    """The engine master actors and their `run` calls (which fail at once if, say, the cluster
-    cannot place their workers)."""
-    import ray
+def start_engines(config: EngineConfig, nats_url: str, args: argparse.Namespace,
+                  worker_threads: int | None) -> list:
+    """A supervisor per engine replica, its master running (its `run` call fails at once if, say,
+    the cluster cannot place its workers: `wait_until_ready` says so)."""
+    from services.engine.launch import MasterSupervisor, launch_master
 
-    from services.engine.actor import EngineMasterActor
+    now = time.monotonic()
+    return [MasterSupervisor(str(i), launch_master(config, nats_url, str(i), worker_threads=worker_threads,
+                                                   step_timeout_s=args.step_timeout, worker_cpus=args.worker_cpus),
+                             hang_timeout_s=args.hang_timeout).start(now)
+            for i in range(args.replicas)]
 
-    actor_cls = ray.remote(EngineMasterActor)
-    masters, runs = [], []
-    for i in range(replicas):
-        master = actor_cls.options(name=f"orca-engine-{i}", num_cpus=0, max_concurrency=64).remote(
-            config, nats_url, str(i), worker_threads=worker_threads, step_timeout_s=step_timeout_s,
-            worker_cpus=worker_cpus)
-        runs.append(master.run.remote())
-        masters.append(master)
-    return masters, runs
+
+def start_services(args: argparse.Namespace, nats_url: str, model: str, run_dir: Path) -> dict[str, SupervisedProcess]:
+    """The tokenizer, admission and jobs processes, supervised. The tokenizer says "drained" on a
+    pipe (see `_drain`)."""
+    drain = ["--drain-timeout", str(args.drain_timeout)]
+    commands = {
+        "tokenizer": lambda extra: service_command("tokenizer", nats_url, "--model", model, *drain, *extra),
+        "admission": lambda extra: service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len),
+                                                   *extra),
+        "jobs": lambda extra: service_command("jobs", nats_url, *drain, *extra),
+    }
+    now = time.monotonic()
+    return {name: SupervisedProcess(name, command, run_dir / f"{name}.alive", hang_timeout_s=args.hang_timeout,
+                                    drained_pipe=name == "tokenizer").start(now)
+            for name, command in commands.items()}
 
 
 async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs: list = ()) -> None:
@@ -150,26 +165,16 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         # terminal's Ctrl-C reaches only this process, which then stops them in order.
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
-        drain = ("--drain-timeout", str(args.drain_timeout))
-        drained_read, drained_write = os.pipe()  # the tokenizer says "drained" here (see _drain)
-        stack.callback(os.close, drained_read)
-        tokenizer = subprocess.Popen(
-            service_command("tokenizer", nats_url, "--model", config.model.model, *drain,
-                            "--drained-fd", str(drained_write)),
-            start_new_session=True, pass_fds=(drained_write,))
-        os.close(drained_write)
-        admission = subprocess.Popen(
-            service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len)),
-            start_new_session=True)
-        jobs = subprocess.Popen(service_command("jobs", nats_url, *drain), start_new_session=True)
-        processes = [tokenizer, admission, jobs]
-        stack.callback(_stop_processes, processes)
+        run_dir = Path(tempfile.mkdtemp(prefix="orca-serve-"))  # the services' liveness files
+        stack.callback(shutil.rmtree, run_dir, True)
+        services = start_services(args, nats_url, config.model.model, run_dir)
+        stack.callback(stop_processes, list(services.values()))
         # Ray pins an actor's OMP threads to its CPU count (1); give each worker its share of the machine.
         workers = args.replicas * config.parallel.world_size
         threads = args.worker_threads or max(1, (os.cpu_count() or 1) // workers)
-        masters, runs = start_engines(config, nats_url, args.replicas, threads, args.step_timeout, args.worker_cpus)
-        stack.callback(_stop_masters, masters)
-        asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, runs))
+        masters = start_engines(config, nats_url, args, threads)
+        stack.callback(_stop_masters, [m.actor for m in masters])
+        asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config.model.model)
         stack.callback(_stop_gateway, args.drain_timeout)
         print(f"orca-serve is up: HTTP {http_url}, NATS {nats_url}, {args.replicas} engine replica(s) of "
@@ -181,15 +186,21 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
               f"results on '{subjects.JOBS_RESULT_PREFIX}.<id>'\n"
               f"Ctrl-C or SIGTERM stops everything.", flush=True)
         while not stop["now"]:
-            for p in processes:
-                if p.poll() is not None:
-                    print(f"orca: service {p.args[2]} exited with {p.returncode}; stopping", file=sys.stderr)
-                    stop["now"] = True
+            supervise(list(services.values()), masters)
             time.sleep(0.2)
         print("orca-serve: draining", file=sys.stderr, flush=True)
-        _drain(tokenizer, drained_read, jobs, args.drain_timeout)
+        _drain(services["tokenizer"], services["jobs"], args.drain_timeout)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     return 0
+
+
+def supervise(services: list[SupervisedProcess], masters: list) -> None:
+    """One round: restart what died, kill what hangs (to be restarted)."""
+    now, wall_now = time.monotonic(), time.time()
+    for service in services:
+        service.check(now, wall_now)
+    for master in masters:
+        master.check(now)
 
 
 def start_gateway(args: argparse.Namespace, nats_url: str, model: str) -> str:
@@ -232,34 +243,24 @@ def _stop_gateway(timeout_s: float) -> None:
         pass
 
 
-def _stop_processes(processes: list[subprocess.Popen]) -> None:
-    for p in processes:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in processes:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-def _drain(tokenizer: subprocess.Popen, tokenizer_drained: int, jobs: subprocess.Popen, timeout_s: float) -> None:
+def _drain(tokenizer: SupervisedProcess, jobs: SupervisedProcess, timeout_s: float) -> None:
     """SIGTERM the services that take requests in: they finish what they hold within `timeout_s`,
     while everything behind them (admission, engines, NATS) still runs. The jobs service then exits;
     the tokenizer says "drained" on its pipe and keeps refusing new requests (a clear "shutting
-    down", not NATS' "no responders") until `_stop_processes` stops it, after the gateway and engines."""
-    for p in (tokenizer, jobs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
+    down", not NATS' "no responders") until `stop_processes` stops it, after the gateway and engines.
+    Nothing is restarted from here on."""
+    for service in (tokenizer, jobs):
+        service.signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s + 10  # their own deadline, plus time to say so
-    readable, _, _ = select.select([tokenizer_drained], [], [], timeout_s + 10)
-    if not readable:
-        log.warning("the tokenizer did not finish draining in %.0f s", timeout_s + 10)
+    if tokenizer.process.poll() is None and tokenizer.drained_read is not None:
+        readable, _, _ = select.select([tokenizer.drained_read], [], [], timeout_s + 10)
+        if not readable:
+            log.warning("the tokenizer did not finish draining in %.0f s", timeout_s + 10)
     try:
-        jobs.wait(timeout=max(0.0, deadline - time.monotonic()))
+        jobs.process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
-        jobs.kill()
-        jobs.wait()
+        jobs.process.kill()
+        jobs.process.wait()
 
 
 def _stop_masters(masters: list) -> None:
@@ -285,6 +286,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let requests in flight finish before ending them with an error")
     g.add_argument("--step-timeout", type=float, default=120.0,
                    help="an engine iteration with no result within this many seconds counts as a dead worker")
+    g.add_argument("--hang-timeout", type=float, default=10.0,
+                   help="a service process or engine master that shows no sign of life this many seconds is "
+                        "killed and restarted")
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")

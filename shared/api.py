@@ -35,6 +35,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     priority: int = 0
     """Lower is served first (vLLM's convention); equal priorities are FCFS."""
+    resume_token_ids: list[int] | None = None
+    """Resending a request whose tokenizer died (no tokenizer answers `orca.v1.generate.held` for
+    its id): the token ids already received. The stream continues after them, to the same reply
+    subject, as if it had never stopped (README, "When things fail")."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -113,6 +117,14 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
 
 class AbortRequest(msgspec.Struct, frozen=True):
     id: str
+
+
+class HeldReply(msgspec.Struct, frozen=True):
+    """The answer to {"id"} on `orca.v1.generate.held`, from the tokenizer that holds that request
+    (none answers for a request nobody holds)."""
+
+    id: str
+    held: bool = True
 
 
 _json_encoder = msgspec.json.Encoder()

@@ -11,6 +11,20 @@ import msgspec
 from shared.outputs import FinishReason, RequestOutput
 from shared.sampling import SamplingParams
 
+# ---- liveness: every long-lived service says it is alive; silence past the expiry means gone ----
+
+HEARTBEAT_S = 0.5
+"""An engine master publishes its status at least this often (more often while it works), a
+tokenizer its TokenizerStatus twice as seldom. A status is a heartbeat."""
+STATUS_EXPIRY_S = 3.0
+"""A service whose last status is older than this is gone (dead, or hung: a SIGSTOPped process is
+alive and silent): admission stops routing to such an engine, /health stops counting it, and
+tokenizers resume the requests it held. Six missed engine heartbeats, so load jitter is no death."""
+MAX_RESUMES = 2
+"""A request resumes by recompute at most this many times after losing its engine (a worker or
+the master died); one more loss ends it with an error, so a request that kills engines cannot
+take every replica down in turn."""
+
 
 class TokenizedRequest(msgspec.Struct, frozen=True):
     """tokenizer -> admission -> engine master."""
@@ -26,6 +40,12 @@ class TokenizedRequest(msgspec.Struct, frozen=True):
     trace_context: str | None = None
     """W3C traceparent of the request's span: admission and engines parent or link their spans to it
     (an Admit carries many requests, so NATS headers cannot carry it)."""
+    resume_token_ids: list[int] = []
+    """Tokens already generated and sent to the client, when the request resumes after the engine
+    that held it (or the tokenizer that owned it) was lost: the engine continues after them, by
+    recompute, and never sends them again."""
+    resumes: int = 0
+    """Times this request has resumed after losing its engine (see MAX_RESUMES)."""
 
 
 class Admit(msgspec.Struct, frozen=True):
@@ -80,6 +100,31 @@ class IterationOutputs(msgspec.Struct, frozen=True, array_like=True):
     """engine master (or admission, for requests it ends) -> one tokenizer instance."""
 
     outputs: list[RequestOutput]
+    source: str = ""
+    """`engine_source(replica, incarnation)` of the engine that sent them ("" from admission): a
+    tokenizer drops outputs from an engine it has moved a request away from."""
+
+
+def engine_source(replica: str, incarnation: str) -> str:
+    """One engine master's life: a restarted master (or one that lost its requests) is a new source."""
+    return f"{replica}/{incarnation}"
+
+
+class Placed(msgspec.Struct, frozen=True):
+    """admission -> the owning tokenizer instance, as it admits: which engine now holds these
+    requests. Until then admission holds them (and a new admission incarnation has lost them)."""
+
+    replica: str
+    incarnation: str
+    request_ids: list[str]
+
+
+class TokenizerStatus(msgspec.Struct, frozen=True):
+    """tokenizer -> gateways (for /health), every 2 x HEARTBEAT_S."""
+
+    instance: str
+    num_active: int
+    draining: bool = False
 
 
 class WorkerReady(msgspec.Struct, frozen=True):
@@ -95,6 +140,8 @@ class AdmissionStatus(msgspec.Struct, frozen=True):
     queue_len: int
     max_queue_len: int
     num_engines_ready: int
+    incarnation: str = ""
+    """Changes when admission restarts: tokenizers then resubmit what they had queued with it."""
 
     @property
     def full(self) -> bool:

@@ -1,6 +1,6 @@
 """Every NATS subject orca-serve uses, in one place, versioned.
 
-Public (producers use these): GENERATE, ABORT, JOBS_SUBMIT, jobs_result(id).
+Public (producers use these): GENERATE, GENERATE_HELD, ABORT, JOBS_SUBMIT, jobs_result(id).
 Internal subjects carry msgpack-encoded structs from `shared.messages`.
 """
 
@@ -10,6 +10,7 @@ PREFIX = "orca.v1"
 
 # Public API (JSON bodies)
 GENERATE = f"{PREFIX}.generate"  # request/stream: events go to the request's reply subject
+GENERATE_HELD = f"{PREFIX}.generate.held"  # request {"id"}: the tokenizer holding it answers {"id", "held"}
 ABORT = f"{PREFIX}.abort"  # {"id": ...}
 JOBS_SUBMIT = f"{PREFIX}.jobs.submit"  # JetStream work queue, deduplicated by Nats-Msg-Id
 JOBS_RESULT_PREFIX = f"{PREFIX}.jobs.result"
@@ -21,6 +22,7 @@ JOBS_CONSUMER = "orca-jobs"
 ADMISSION_SUBMIT = f"{PREFIX}.admission.submit"  # tokenizer -> admission: TokenizedRequest
 ENGINE_STATUS = f"{PREFIX}.engine.status"  # engine master -> admission: EngineStatus
 ADMISSION_STATUS = f"{PREFIX}.admission.status"  # admission -> gateways: AdmissionStatus
+TOKENIZER_STATUS = f"{PREFIX}.tokenizer.status"  # tokenizer -> gateways: TokenizerStatus (heartbeat)
 METRICS = f"{PREFIX}.metrics"  # every service -> gateways: MetricsSnapshot, once a second
 CANCEL = f"{PREFIX}.cancel"  # -> admission + engines: Cancel (abort, or a stop string matched)
 TOKENIZER_QUEUE = "tokenizer"
@@ -44,6 +46,11 @@ def engine_step(replica: str) -> str:
 def engine_result(replica: str) -> str:
     """workers -> engine master: StepResult, one per iteration."""
     return f"{PREFIX}.engine.{replica}.result"
+
+
+def placed(tokenizer_instance: str) -> str:
+    """admission -> the tokenizer instance that owns the requests: Placed."""
+    return f"{PREFIX}.placed.{tokenizer_instance}"
 
 
 def detok(tokenizer_instance: str) -> str:

@@ -2,13 +2,21 @@
 
 Requests come from tokenizers, engines report their room after every iteration, and the
 pure `AdmissionQueue` decides who goes where. Requests it ends itself (aborted while queued,
-queue full, impossible to serve) get their final output sent back to their tokenizer.
+queue full, impossible to serve, no engine alive for too long) get their final output sent back
+to their tokenizer.
+
+As it admits, it tells each owning tokenizer where its requests went (`Placed`): from then on the
+tokenizer watches that engine's heartbeat and resumes the requests elsewhere if it goes. What is
+still queued here is lost if this process dies; the tokenizers resubmit it when they see a status
+with a new `incarnation`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+import uuid
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -19,19 +27,23 @@ from services.admission.telemetry import AdmissionTelemetry
 from shared import subjects
 from shared.api import decode_abort
 from shared.codec import Codec
-from shared.messages import Admit, AdmissionStatus, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
+from shared.messages import (Admit, AdmissionStatus, Cancel, EngineStatus, IterationOutputs, Placed,
+                             TokenizedRequest)
 from shared.outputs import FinishReason, RequestOutput
 from shared.telemetry import SnapshotPublisher
 
 log = logging.getLogger("orca.admission")
 request_codec = Codec(TokenizedRequest)
 status_codec = Codec(EngineStatus)
+TICK_S = 0.25
+"""How often engines' heartbeats are checked: a silent engine is dropped within expiry + this."""
 
 
 class AdmissionService:
-    def __init__(self, nc: Client, max_queue_len: int) -> None:
+    def __init__(self, nc: Client, max_queue_len: int, no_engine_timeout_s: float = 60.0) -> None:
         self.nc = nc
-        self.queue = AdmissionQueue(max_queue_len)
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.queue = AdmissionQueue(max_queue_len, no_engine_timeout_s=no_engine_timeout_s)
         self._last_status: AdmissionStatus | None = None
         self.telemetry = AdmissionTelemetry(self.queue)
         self.metrics = SnapshotPublisher(nc, self.telemetry.snapshot)
@@ -41,6 +53,7 @@ class AdmissionService:
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
         self._heartbeat = asyncio.create_task(self._publish_periodically())
+        self._watch = asyncio.create_task(self._watch_engines())
         self.metrics.start()
         on_reconnect(self.nc, self.on_reconnected)
 
@@ -51,9 +64,29 @@ class AdmissionService:
             self.queue.forget_engine(replica)
 
     async def stop(self) -> None:
-        self._heartbeat.cancel()
-        await asyncio.gather(self._heartbeat, return_exceptions=True)
+        for task in (self._heartbeat, self._watch):
+            task.cancel()
+        await asyncio.gather(self._heartbeat, self._watch, return_exceptions=True)
         await self.metrics.stop()
+
+    async def _watch_engines(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self.check_engines(time.monotonic())
+
+    async def check_engines(self, now: float) -> None:
+        """Drop engines silent past the expiry (at once: nothing more is routed to them), and end
+        what waited too long for any engine at all."""
+        gone = self.queue.expire(now)
+        if gone:
+            log.warning("engine(s) %s silent for %.0f s: no longer routed to", gone, self.queue.heartbeats.expiry_s)
+            await self.publish_status()
+        starved = self.queue.starved(now)
+        for request in starved:
+            await self._end(request, FinishReason.ERROR,
+                            f"no engine has been available for {self.queue.no_engine_timeout_s:.0f} s; retry later")
+        if starved:
+            await self.publish_status()
 
     async def _publish_periodically(self, every_s: float = 1.0) -> None:
         """Also without changes, so a gateway that starts later learns the state within a second."""
@@ -77,7 +110,7 @@ class AdmissionService:
         await self._admit()
 
     async def on_status(self, msg: Msg) -> None:
-        self.queue.on_status(status_codec.decode(msg.data))
+        self.queue.on_status(status_codec.decode(msg.data), time.monotonic())
         await self._admit()
 
     async def on_abort(self, msg: Msg) -> None:
@@ -97,11 +130,22 @@ class AdmissionService:
         for replica, sequence, requests in self.queue.decide():
             self.telemetry.on_admitted(replica, requests)
             await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
+            await self._tell_owners(replica, requests)
         await self.publish_status()
+
+    async def _tell_owners(self, replica: str, requests: list[TokenizedRequest]) -> None:
+        """After the Admit, on the same connection: a tokenizer never hears of a placement before
+        the engine could have it."""
+        incarnation = self.queue.engines[replica].status.incarnation
+        by_owner: dict[str, list[str]] = {}
+        for request in requests:
+            by_owner.setdefault(request.tokenizer_instance, []).append(request.request_id)
+        for owner, ids in by_owner.items():
+            await self.nc.publish(subjects.placed(owner), Codec.encode(Placed(replica, incarnation, ids)))
 
     async def publish_status(self) -> None:
         ready = sum(1 for view in self.queue.engines.values() if view.status.ready)
-        status = AdmissionStatus(len(self.queue.queue), self.queue.max_queue_len, ready)
+        status = AdmissionStatus(len(self.queue.queue), self.queue.max_queue_len, ready, self.incarnation)
         if status != self._last_status:
             self._last_status = status
             await self.nc.publish(subjects.ADMISSION_STATUS, Codec.encode(status))

@@ -1,7 +1,8 @@
 """python -m services.engine --nats-url nats://... --model DIR [--ray-address auto]
 
 Starts one engine replica (master + workers as Ray actors) on an existing or local Ray and
-keeps it up until SIGTERM, as the docker-compose stack runs it.
+keeps it up until SIGTERM, as the docker-compose stack runs it: a master that dies or hangs is
+restarted (services/engine/launch.py).
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ def main() -> int:
     parser.add_argument("--step-timeout", type=float, default=120.0,
                         help="an iteration with no result within this many seconds counts as a dead worker")
     parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
+    parser.add_argument("--hang-timeout", type=float, default=10.0,
+                        help="a master that answers nothing this many seconds is killed and restarted")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     setup_logging(args.log_level)
 
     import ray
 
-    from services.engine.actor import EngineMasterActor
+    from services.engine.launch import MasterSupervisor, launch_master
 
     config = engine_config_from_args(args)
     os.environ.setdefault("RAY_worker_niceness", "0")  # see services/serve.py
@@ -40,17 +43,13 @@ def main() -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    master = ray.remote(EngineMasterActor).options(name=f"orca-engine-{args.replica}", num_cpus=0,
-                                                   max_concurrency=64).remote(
-        config, args.nats_url, args.replica, worker_threads=args.worker_threads, worker_cpus=args.worker_cpus,
-        step_timeout_s=args.step_timeout)
-    running = master.run.remote()
+    master = launch_master(config, args.nats_url, args.replica, worker_threads=args.worker_threads,
+                           worker_cpus=args.worker_cpus, step_timeout_s=args.step_timeout)
+    supervisor = MasterSupervisor(args.replica, master, hang_timeout_s=args.hang_timeout).start(time.monotonic())
     print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
     while not stop["now"]:
-        done, _ = ray.wait([running], timeout=0.5)
-        if done:
-            ray.get(running)  # raises if the master failed
-            break
+        supervisor.check(time.monotonic())  # restarts a master that died or hangs
+        time.sleep(0.5)
     ray.get(master.stop.remote(), timeout=10)
     ray.shutdown()
     return 0

@@ -1,9 +1,16 @@
 """The engine master as a Ray actor: it reserves a placement group for its tp x pp workers,
-starts them there as Ray actors, and runs the loop."""
+starts them there as Ray actors, and runs the loop.
+
+Launched with max_restarts (services/engine/launch.py): when its process dies Ray starts it again,
+its workers (which die with their owner) are started anew in the same placement group, and the
+supervisor calls `run` again."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
+from typing import Any
 
 from model.arch import eos_token_ids, resolve_max_model_len
 from services.bus import connect, drain_quietly
@@ -24,10 +31,6 @@ class EngineMasterActor:
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
-        import ray
-
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         from engine.executor import check_parallel
         from model.arch import load_arch_config
 
@@ -36,17 +39,11 @@ class EngineMasterActor:
         check_parallel(load_arch_config(model.model), self.config)
         world = self.config.parallel.world_size
         bundle = worker_bundle(model.device, self.worker_cpus)
-        group = await asyncio.to_thread(reserve_workers, world, bundle, what=f"engine {self.replica} "
-                                f"(tp={self.config.parallel.tensor_parallel_size} "
-                                f"pp={self.config.parallel.pipeline_parallel_size})")
-        workers = [
-            ray.remote(Worker).options(
-                name=f"orca-worker-{self.replica}-{rank}", max_restarts=-1, max_task_retries=0,
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=16,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-            ).remote(self.config, self.nats_url, self.replica, max_model_len, self.worker_threads, rank)
-            for rank in range(world)
-        ]
+        what = (f"engine {self.replica} (tp={self.config.parallel.tensor_parallel_size} "
+                f"pp={self.config.parallel.pipeline_parallel_size})")
+        group = await asyncio.to_thread(reserve_workers, world, bundle, what=what,
+                                        name=f"orca-engine-{self.replica}-workers")
+        workers = [await self._start_worker(group, rank, bundle, max_model_len) for rank in range(world)]
         nc = await connect(self.nats_url, f"orca-engine-{self.replica}")
         self.master = EngineMaster(self.config, self.replica, nc, RayWorkerGroup(workers),
                                    max_model_len=max_model_len,
@@ -58,8 +55,28 @@ class EngineMasterActor:
         finally:
             await drain_quietly(nc)
 
+    async def _start_worker(self, group: Any, rank: int, bundle: dict[str, float], max_model_len: int) -> Any:
+        import ray
+
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        name = f"orca-worker-{self.replica}-{rank}"
+        await asyncio.to_thread(_kill_leftover, name)
+        return ray.remote(Worker).options(
+            name=name, max_restarts=-1, max_task_retries=0,
+            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=16,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+        ).remote(self.config, self.nats_url, self.replica, max_model_len, self.worker_threads, rank)
+
     async def stop(self) -> None:
         self._stop.set()
+
+    async def ping(self) -> tuple[str, int]:
+        """For the supervisor: answers while the event loop runs (a hung master does not), with
+        this process' node and pid (to kill it quickly if it hangs later)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     async def ready(self) -> bool:
         return self.master is not None and self.master.ready
@@ -69,3 +86,22 @@ class EngineMasterActor:
 
     async def iteration_log(self) -> list[tuple[int, list[str], list[int]]]:
         return list(self.master.iteration_log) if self.master else []
+
+
+def _kill_leftover(name: str, timeout_s: float = 10.0) -> None:
+    """A worker of this master's previous life may not be reaped yet (Ray kills an owner's actors
+    when it dies, a moment later): free its name and devices first."""
+    import ray
+
+    try:
+        leftover = ray.get_actor(name)
+    except ValueError:
+        return
+    ray.kill(leftover, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            return
+        time.sleep(0.1)

@@ -8,6 +8,13 @@ iterations on the same event loop, so the scheduler is only ever touched by one 
 With pipeline parallelism the loop keeps up to one iteration per stage in flight, each with
 different requests (the scheduler leaves out requests in flight), and applies the results
 in order: while the last stage works on one batch, the first already works on the next.
+
+Liveness: a separate task publishes the status every HEARTBEAT_S whatever the loop waits on, so
+a master that dies or hangs falls silent and everyone else counts it gone after STATUS_EXPIRY_S.
+The incarnation names what this master holds: it changes when the master restarts (the requests
+are gone; their tokenizers resume them, with the tokens already streamed) and when the master
+finds its own heartbeat was stalled for long (it was hung, others have given its requests up, so
+it drops them too). A worker that dies does not change it: the master resumes those requests itself.
 """
 
 from __future__ import annotations
@@ -32,18 +39,34 @@ from services.engine.workers import WorkerDied, WorkerGroup
 from shared import subjects
 from shared.codec import Codec
 from shared.config import EngineConfig
-from shared.messages import Admit, Cancel, EngineStatus, IterationOutputs, TokenizedRequest
+from shared.messages import (HEARTBEAT_S, MAX_RESUMES, STATUS_EXPIRY_S, Admit, Cancel, EngineStatus,
+                             IterationOutputs, TokenizedRequest, engine_source)
 from shared.outputs import FinishReason, RequestOutput
 
 log = logging.getLogger("orca.engine")
 admit_codec, cancel_codec, result_codec = Codec(Admit), Codec(Cancel), Codec(StepResult)
 RECENT_CANCELS = 10_000
-MAX_RESUMES = 2
 ITERATION_LOG_LENGTH = 10_000
+STALL_RESET_S = STATUS_EXPIRY_S - 1.0
+"""A gap this long between two of its own heartbeats means this master was hung (stopped, or its
+loop blocked) long enough that others may have counted it gone: it starts over as a new
+incarnation. Below the expiry, so it never keeps requests that tokenizers have resumed elsewhere."""
 
 
 class StepFailed(Exception):
     pass
+
+
+@dataclass
+class Held:
+    """A request this engine holds: who gets its outputs, and how often it has resumed."""
+
+    owner: str
+    """The tokenizer instance that owns it."""
+    copy: int
+    """`resumes` of the copy admitted: an Admit of the same copy again is a duplicate."""
+    resumes: int
+    """Resumes so far, those before it came here and those after a worker died here."""
 
 
 @dataclass
@@ -65,9 +88,8 @@ class EngineMaster:
         self.incarnation = uuid.uuid4().hex[:12]
         self.scheduler = self._new_scheduler()
         self.telemetry = EngineTelemetry(nc, replica, self.scheduler)
-        self.owners: dict[str, str] = {}  # request id -> tokenizer instance that owns it
+        self.held: dict[str, Held] = {}
         self.recent_cancels: OrderedDict[str, FinishReason] = OrderedDict()
-        self.resumes: dict[str, int] = {}  # request id -> times it resumed after a worker died
         self.last_admit_sequence = 0
         self.ready = False
         self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
@@ -94,19 +116,46 @@ class EngineMaster:
     # ---- the loop ----------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        await self.workers.start()
-        self.ready = True
-        await self.publish_status()
-        while not stop.is_set():
-            if not self.scheduler.has_unfinished and not self._in_flight:
-                await self._idle(stop)
-                continue
-            try:
-                await self.step()
-            except (StepFailed, WorkerDied) as exc:
-                await self._recover(exc)
+        heartbeat = asyncio.create_task(self._heartbeat())
+        try:
+            await self.workers.start()
+            self.ready = True
+            await self.publish_status()
+            while not stop.is_set():
+                if not self.scheduler.has_unfinished and not self._in_flight:
+                    await self._idle()
+                    continue
+                try:
+                    await self.step()
+                except (StepFailed, WorkerDied) as exc:
+                    await self._recover(exc)
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
         self.ready = False
         await self.publish_status()
+
+    async def _heartbeat(self) -> None:
+        """The status every HEARTBEAT_S, also while the loop waits on a long step or a restart."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            now = time.monotonic()
+            if now - last > STALL_RESET_S:
+                self.start_over(now - last)
+            last = now
+            await self.publish_status()
+
+    def start_over(self, silent_s: float) -> None:
+        """After a stall others may have taken for death: drop every request without a word (their
+        tokenizers resume them, seeing the new incarnation) and become a new incarnation."""
+        log.error("engine %s: its heartbeat stalled for %.1f s; dropping %d requests (their tokenizers resume "
+                  "them)", self.replica, silent_s, len(self.scheduler.requests))
+        for rid in list(self.scheduler.requests):
+            self.scheduler.finish(rid, FinishReason.ABORT)
+        self.held.clear()
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.last_admit_sequence = 0
 
     async def step(self) -> None:
         """Fill the pipeline, then apply the oldest iteration's result (or, while the pipeline
@@ -168,12 +217,12 @@ class EngineMaster:
         except asyncio.TimeoutError:
             pass
 
-    async def _idle(self, stop: asyncio.Event) -> None:
+    async def _idle(self) -> None:
         self._wake.clear()
         try:
             await asyncio.wait_for(self._wake.wait(), timeout=0.5)
         except asyncio.TimeoutError:
-            await self.publish_status()  # heartbeat
+            pass
 
     async def _recover(self, exc: Exception) -> None:
         """A step failed. If a worker died (or hung), its KV is gone but the requests are not:
@@ -192,17 +241,14 @@ class EngineMaster:
         self._in_flight.clear()
         if isinstance(exc, WorkerDied):
             for rid in self.scheduler.preempt_all():
-                self.resumes[rid] = self.resumes.get(rid, 0) + 1
-            doomed = [rid for rid, count in self.resumes.items() if count > MAX_RESUMES]
+                self.held[rid].resumes += 1
+            doomed = [rid for rid in self.scheduler.requests if self.held[rid].resumes > MAX_RESUMES]
         else:
             doomed = list(self.scheduler.requests)
         events = [e for rid in doomed if (e := self.scheduler.finish(rid, FinishReason.ERROR, message)) is not None]
-        for rid in doomed:
-            self.resumes.pop(rid, None)
         await self.publish_outputs(events)
+        # The incarnation stays: this master still holds its requests and resumes them itself.
         await self.workers.restart(hard=True)
-        self.incarnation = uuid.uuid4().hex[:12]
-        self.last_admit_sequence = 0
         self.ready = True
         await self.publish_status()
 
@@ -222,16 +268,28 @@ class EngineMaster:
         self._wake.set()
 
     def _add(self, tokenized: TokenizedRequest) -> RequestOutput | None:
-        rid = tokenized.request_id
-        self.owners[rid] = tokenized.tokenizer_instance
+        rid, owner = tokenized.request_id, tokenized.tokenizer_instance
+        held = self.held.get(rid)
+        if held is not None and held.owner == owner and held.copy == tokenized.resumes:
+            return None  # the same copy again (resubmitted to a restarted admission): it runs here already
+        if held is not None:  # a newer copy (resumed by its owner, or by its client through another tokenizer)
+            self.scheduler.finish(rid, FinishReason.ABORT)  # no event: the new copy's owner has taken over
+        self.held[rid] = Held(owner, tokenized.resumes, tokenized.resumes)
         cancelled = self.recent_cancels.pop(rid, None)
         if cancelled is not None:  # the cancel overtook the admission
             return RequestOutput(rid, finish_reason=cancelled)
         if not self.ready:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=f"engine {self.replica} is not ready")
+        if tokenized.resumes > MAX_RESUMES:
+            return RequestOutput(rid, finish_reason=FinishReason.ERROR,
+                                 error=f"the engines serving this request failed {tokenized.resumes} times; giving up")
+        request = Request(rid, tokenized.prompt_token_ids, tokenized.params, self.eos_token_ids,
+                          priority=tokenized.priority, output_token_ids=list(tokenized.resume_token_ids))
+        done = finished_before_resume(request, self.max_model_len)
+        if done is not None:  # its last output was lost with the engine that made it
+            return RequestOutput(rid, finish_reason=done)
         try:
-            self.scheduler.add_request(Request(rid, tokenized.prompt_token_ids, tokenized.params, self.eos_token_ids,
-                                              priority=tokenized.priority))
+            self.scheduler.add_request(request)
         except ValueError as exc:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=str(exc))
         return None
@@ -258,15 +316,15 @@ class EngineMaster:
     async def publish_outputs(self, events: list[RequestOutput]) -> None:
         by_owner: dict[str, list[RequestOutput]] = {}
         for event in events:
-            owner = self.owners.get(event.request_id)
-            if owner is None:
+            held = self.held.get(event.request_id)
+            if held is None:
                 continue
-            by_owner.setdefault(owner, []).append(event)
+            by_owner.setdefault(held.owner, []).append(event)
             if event.finish_reason is not None:
-                del self.owners[event.request_id]
-                self.resumes.pop(event.request_id, None)
+                del self.held[event.request_id]
+        source = engine_source(self.replica, self.incarnation)
         for owner, outputs in by_owner.items():
-            await self.nc.publish(subjects.detok(owner), Codec.encode(IterationOutputs(outputs)))
+            await self.nc.publish(subjects.detok(owner), Codec.encode(IterationOutputs(outputs, source)))
 
     def status(self) -> EngineStatus:
         kv = self.scheduler.kv_cache
@@ -285,3 +343,16 @@ class EngineMaster:
 
     async def publish_status(self) -> None:
         await self.nc.publish(subjects.ENGINE_STATUS, Codec.encode(self.status()))
+
+
+def finished_before_resume(request: Request, max_model_len: int) -> FinishReason | None:
+    """Whether a resumed request's tokens already end it (the engine that made its last token died
+    before saying so): the scheduler's stop rules, applied to that last token."""
+    if not request.output_token_ids:
+        return None
+    last, params = request.output_token_ids[-1], request.params
+    if last in params.stop_token_ids or (last in request.eos_token_ids and not params.ignore_eos):
+        return FinishReason.STOP
+    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None

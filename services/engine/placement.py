@@ -26,11 +26,24 @@ def missing_resources(needed: dict[str, float], total: dict[str, float]) -> dict
     return {k: v - total.get(k, 0.0) for k, v in needed.items() if total.get(k, 0.0) + 1e-9 < v}
 
 
-def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, timeout_s: float = 60.0) -> Any:
-    """A ready placement group of `num_workers` bundles, or PlacementError saying what is missing."""
+def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, name: str = "",
+                    timeout_s: float = 60.0) -> Any:
+    """A ready placement group of `num_workers` bundles, or PlacementError saying what is missing.
+    A group `name`d so already exists when a master restarts (a group outlives the actor that made
+    it, its workers do not): it is taken over, since its devices are held for nobody else."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 
+    if name:
+        try:
+            group = get_placement_group(name)
+        except ValueError:
+            pass
+        else:
+            if group.bundle_specs == [dict(bundle) for _ in range(num_workers)]:
+                ray.get(group.ready(), timeout=timeout_s)
+                return group
+            remove_placement_group(group)  # made for other flags: give its devices back
     needed = {k: v * num_workers for k, v in bundle.items()}
     lacking = missing_resources(needed, ray.cluster_resources())
     if lacking:
@@ -38,7 +51,7 @@ def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, ti
         raise PlacementError(
             f"{what} needs {num_workers} worker(s) of {bundle} = {needed} in all, but the Ray cluster has {have} "
             f"(missing {lacking}); lower -tp/-pp or --worker-cpus, or add nodes")
-    group = placement_group([dict(bundle) for _ in range(num_workers)], strategy="PACK")
+    group = placement_group([dict(bundle) for _ in range(num_workers)], strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(group)

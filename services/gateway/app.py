@@ -123,12 +123,10 @@ def add_routes(app: FastAPI) -> None:
 
     @app.get("/health", response_model=t.Health, responses={503: {"model": t.Health}})
     async def health(request: Request) -> Response:
-        status = state_of(request).client.status
-        admission = status.fresh_admission()
-        body = {"status": "ok" if status.healthy else "unavailable", "num_engines_ready": status.num_engines_ready,
-                "queue_len": admission.queue_len if admission else None,
-                "max_queue_len": admission.max_queue_len if admission else None}
-        return JSONResponse(body, status_code=200 if status.healthy else 503)
+        """200 while a request sent now could be served: admission, a ready engine and a tokenizer
+        have all been heard from within STATUS_EXPIRY_S; else 503 and the reason."""
+        code, body = state_of(request).client.status.health()
+        return JSONResponse(body, status_code=code)
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request) -> PlainTextResponse:

@@ -1,5 +1,6 @@
 """The gateway's side of NATS: publish generate requests, read their events, abort, and keep
-the latest admission and engine status (for /health, back-pressure and the context length).
+the latest admission, engine and tokenizer status (`StatusBoard`: /health, back-pressure and the
+context length). Streams whose tokenizer dies are resumed (`StreamWatch`, services/gateway/resume.py).
 
 One connection per gateway process. Every request's reply subject is `<inbox>.<request id>`
 under one wildcard subscription, and a `Generation` merges the events of the n requests one
@@ -18,19 +19,20 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.gateway.metrics import MetricsBoard
+from services.gateway.resume import StreamWatch
+from services.gateway.status import StatusBoard
 from services.bus import on_reconnect
 from shared import subjects
 from shared.api import AbortRequest, GenerateEvent, GenerateRequest, encode_json
 from shared.codec import Codec
-from shared.messages import AdmissionStatus, EngineStatus
+from shared.messages import AdmissionStatus, EngineStatus, TokenizerStatus
 from shared.telemetry import trace_headers
 
 log = logging.getLogger("orca.gateway")
 admission_codec = Codec(AdmissionStatus)
 engine_codec = Codec(EngineStatus)
+tokenizer_codec = Codec(TokenizerStatus)
 
-STATUS_FRESH_S = 5.0
-"""A status older than this is not believed (admission publishes every second, idle engines twice)."""
 BUS_RESTARTED = "the connection to the message bus (NATS) dropped while this request ran; retry"
 NO_TOKENIZER = "no tokenizer service is listening; retry later"
 
@@ -43,52 +45,6 @@ class Event(GenerateEvent, frozen=True, omit_defaults=True):
 
 
 event_decoder = msgspec.json.Decoder(Event)
-
-
-class StatusBoard:
-    """The latest admission status and each engine's latest status, with when they came."""
-
-    def __init__(self) -> None:
-        self.admission: AdmissionStatus | None = None
-        self.admission_at = 0.0
-        self.engines: dict[str, tuple[EngineStatus, float]] = {}
-
-    def on_admission(self, status: AdmissionStatus) -> None:
-        self.admission, self.admission_at = status, time.monotonic()
-
-    def on_engine(self, status: EngineStatus) -> None:
-        self.engines[status.replica] = (status, time.monotonic())
-
-    def fresh_admission(self) -> AdmissionStatus | None:
-        if self.admission is not None and time.monotonic() - self.admission_at < STATUS_FRESH_S:
-            return self.admission
-        return None
-
-    def ready_engines(self) -> list[EngineStatus]:
-        now = time.monotonic()
-        return [s for s, at in self.engines.values() if s.ready and now - at < STATUS_FRESH_S]
-
-    @property
-    def num_engines_ready(self) -> int:
-        admission = self.fresh_admission()
-        return admission.num_engines_ready if admission is not None else 0
-
-    @property
-    def healthy(self) -> bool:
-        """Admission is alive and counts at least one ready engine."""
-        return self.num_engines_ready > 0
-
-    @property
-    def queue_full(self) -> bool:
-        admission = self.fresh_admission()
-        return admission is not None and admission.full
-
-    def max_model_len(self) -> int | None:
-        """The longest context a ready engine serves (admission sends a request to any that fits)."""
-        return max((s.max_model_len for s in self.ready_engines()), default=None)
-
-    def kv_capacity_tokens(self) -> int | None:
-        return max((s.num_blocks * s.block_size for s in self.ready_engines()), default=None)
 
 
 _CLOSED = (-1, None)
@@ -144,6 +100,7 @@ class EngineClient:
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.status = StatusBoard()
+        self.watch = StreamWatch(nc, self._give_up)
         self.metrics = MetricsBoard()
         self.inbox = nc.new_inbox()
         self.routes: dict[str, tuple[Generation, int]] = {}
@@ -153,6 +110,8 @@ class EngineClient:
     async def start(self) -> None:
         await self.nc.subscribe(subjects.ADMISSION_STATUS, cb=self._on_admission)
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self._on_engine)
+        await self.nc.subscribe(subjects.TOKENIZER_STATUS, cb=self._on_tokenizer)
+        self._watching = asyncio.get_running_loop().create_task(self.watch.run())
         await self.nc.subscribe(subjects.METRICS, cb=self.metrics.on_message)
         await self.nc.subscribe(f"{self.inbox}.*", cb=self._on_event)
         on_reconnect(self.nc, self._on_reconnected)
@@ -177,6 +136,7 @@ class EngineClient:
         self.by_public_id[public_id] = generation
         headers = trace_headers()  # the current HTTP span's traceparent: one trace through every service
         for request in requests:
+            self.watch.watch(request, f"{self.inbox}.{request.id}")
             await self.nc.publish(subjects.GENERATE, encode_json(request), reply=f"{self.inbox}.{request.id}",
                                   headers=headers)
         return generation
@@ -184,6 +144,7 @@ class EngineClient:
     def forget(self, generation: Generation) -> None:
         for request in generation.requests:
             self.routes.pop(request.id, None)
+            self.watch.forget(request.id)
         self.by_public_id.pop(generation.public_id, None)
 
     def abort_soon(self, request_ids: list[str]) -> None:
@@ -212,6 +173,8 @@ class EngineClient:
             return  # its HTTP call has gone
         if request_id not in route[0].unfinished:
             return  # it already ended (e.g. here, when NATS reconnected): one final event only
+        if msg.headers and msg.headers.get("Status") == "503" and self.watch.resending(request_id):
+            return  # a resend found no tokenizer yet: the watch tries again
         if msg.headers and msg.headers.get("Status") == "503":  # NATS: nobody subscribes to generate
             route[0].deliver(route[1], Event(request_id, [], "", "error", error=NO_TOKENIZER))
             return
@@ -220,7 +183,13 @@ class EngineClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("bad event for %s: %s", request_id, exc)
             return
+        self.watch.saw(request_id, event)
         route[0].deliver(route[1], event)
+
+    def _give_up(self, request_id: str, error: str) -> None:
+        route = self.routes.get(request_id)
+        if route is not None and request_id in route[0].unfinished:
+            route[0].deliver(route[1], Event(request_id, [], "", "error", error=error))
 
     async def _on_admission(self, msg: Msg) -> None:
         try:
@@ -233,3 +202,9 @@ class EngineClient:
             self.status.on_engine(engine_codec.decode(msg.data))
         except msgspec.DecodeError as exc:
             log.warning("bad engine status: %s", exc)
+
+    async def _on_tokenizer(self, msg: Msg) -> None:
+        try:
+            self.status.on_tokenizer(tokenizer_codec.decode(msg.data))
+        except msgspec.DecodeError as exc:
+            log.warning("bad tokenizer status: %s", exc)

@@ -252,8 +252,11 @@ class AbortResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     num_engines_ready: int
+    num_tokenizers: int = 0
     queue_len: int | None
     max_queue_len: int | None
+    reason: str | None = None
+    """Why a request could not be served now (with the 503)."""
 
 
 class ErrorDetail(BaseModel):

@@ -52,9 +52,9 @@ class GatewayState:
     def check_can_take(self) -> None:
         """Before any work: 503 while no engine is ready, 429 (with Retry-After) while the queue is full."""
         status = self.client.status
-        if not status.healthy:
-            raise APIError(503, "no engine is ready to serve; retry later", code="engine_unavailable",
-                           headers={"Retry-After": "5"})
+        why = status.unavailable()
+        if why is not None:
+            raise APIError(503, f"{why}; retry later", code="engine_unavailable", headers={"Retry-After": "5"})
         if status.queue_full:
             raise queue_full()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.tokenizer import load_tokenizer
 from model.arch import load_arch_config
+from services import liveness
 from services.bus import run_service, stop_events_on_signals
 from services.logs import setup_logging
 from services.tokenizer.service import TokenizerService
@@ -29,6 +30,7 @@ async def main(args: argparse.Namespace) -> None:
     drain_signal, exit_signal = stop_events_on_signals(2)
 
     async def start(nc):
+        liveness.start(args.alive_file)
         service = TokenizerService(nc, tokenizer, vocab_size, model_name=Path(args.model).name)
         await service.start()
 
@@ -67,6 +69,8 @@ if __name__ == "__main__":
     parser.add_argument("--drained-fd", type=int, default=None,
                         help="(for a supervisor) after the drain write a line to this file descriptor and keep "
                              "refusing new requests until a second SIGTERM; without it, exit once drained")
+    parser.add_argument("--alive-file", default=None,
+                        help="touch this file every second while the event loop runs (for a supervisor's liveness check)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     setup_logging(args.log_level)

@@ -5,6 +5,9 @@ admission, and turns the engine's per-iteration token outputs into JSON events o
 request's reply subject: incremental detokenization (no garbled multi-byte characters) and
 stop strings (on a match it tells the engine to stop the request). Replicas share the load
 through a queue group; each replica owns the requests it accepted.
+
+Failures: it resumes or resubmits what a dead engine or admission held, publishes a heartbeat and
+answers clients who ask whether it still holds their request (services/tokenizer/recovery.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from nats.aio.msg import Msg
 from core.detokenize import IncrementalDetokenizer
 from engine.tokenizer import Tokenizer
 from services.bus import on_reconnect
+from services.tokenizer.recovery import Recovery, prime, reattach, resume_ids
 from services.tokenizer.telemetry import RequestTrace, TokenizerTelemetry
 from shared import subjects
 from shared.api import (AbortRequest, GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json,
@@ -43,7 +47,6 @@ RECENT_SUBMISSIONS = 10_000
 """Submissions remembered for a 'no responders' answer (it comes within a round trip, if at all)."""
 INTERRUPTED = "the message bus (NATS) restarted while this request ran; its output may be incomplete"
 SHUTTING_DOWN = "this orca-serve instance is shutting down; retry later"
-NO_ADMISSION = "no admission service is listening; retry later"
 
 
 @dataclass
@@ -64,7 +67,7 @@ class TokenizerService:
         self.instance = instance or uuid.uuid4().hex[:12]
         self.active: dict[str, ActiveRequest] = {}
         # Submissions carry a reply subject only so that NATS answers "no responders" when no
-        # admission service listens (it restarts, or NATS just did): the request then ends at once.
+        # admission service listens (it restarts, or NATS just did): the request then waits for one.
         self.bounce_inbox = nc.new_inbox()
         self.submissions: OrderedDict[str, str] = OrderedDict()  # token in the reply subject -> request id
         self._submission_ids = itertools.count()
@@ -72,12 +75,14 @@ class TokenizerService:
         self._tasks: set[asyncio.Task] = set()
         self.telemetry = TokenizerTelemetry(model_name)
         self.metrics = SnapshotPublisher(nc, self.telemetry.snapshot)
+        self.recovery = Recovery(self)
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.GENERATE, queue=subjects.TOKENIZER_QUEUE, cb=self.on_generate)
         await self.nc.subscribe(subjects.detok(self.instance), cb=self.on_outputs)
         await self.nc.subscribe(f"{self.bounce_inbox}.*", cb=self.on_bounce)
         on_reconnect(self.nc, self.on_reconnected)
+        await self.recovery.start()
         self.metrics.start()
 
     async def on_generate(self, msg: Msg) -> None:
@@ -94,17 +99,22 @@ class TokenizerService:
             tokenize_start_ns = time.time_ns()
             prompt_ids = self.prompt_ids(request)
             tokenize_ns = (tokenize_start_ns, time.time_ns())
+            if request.id in self.active and request.resume_token_ids is not None:
+                reattach(self.active[request.id], msg.reply)  # its client took this instance for gone
+                return
             if request.id in self.active:
                 raise ValueError(f"request id {request.id!r} is already in use")
+            resumed = resume_ids(request, self.vocab_size)
         except ValueError as exc:
             self.telemetry.on_reject(_id_of(msg.data), msg.headers, str(exc))
             await self._publish(msg.reply, GenerateEvent(_id_of(msg.data), [], "", "error", error=str(exc)))
             return
         trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
-        self.active[request.id] = ActiveRequest(
+        state = self.active[request.id] = ActiveRequest(
             msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace)
+        prime(state, resumed)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
-                                     trace_context=self.telemetry.traceparent(trace))
+                                     trace_context=self.telemetry.traceparent(trace), resume_token_ids=resumed)
         await self._submit(tokenized)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -152,6 +162,7 @@ class TokenizerService:
     # ---- failures: admission away, NATS restarted, shutting down -------------------------------
 
     async def _submit(self, tokenized: TokenizedRequest) -> None:
+        self.recovery.submitted(tokenized)
         token = str(next(self._submission_ids))
         self.submissions[token] = tokenized.request_id
         while len(self.submissions) > RECENT_SUBMISSIONS:
@@ -159,11 +170,11 @@ class TokenizerService:
         await self.nc.publish(subjects.ADMISSION_SUBMIT, Codec.encode(tokenized), reply=f"{self.bounce_inbox}.{token}")
 
     async def on_bounce(self, msg: Msg) -> None:
-        """NATS' 503 "no responders" to a submission: no admission service received it."""
+        """NATS' 503 "no responders" to a submission: no admission service received it (one is
+        restarting, say). It is sent again when an admission speaks, or ends after a timeout."""
         request_id = self.submissions.pop(msg.subject.rsplit(".", 1)[-1], None)
-        state = self.active.pop(request_id, None) if request_id is not None else None
-        if state is not None:
-            await self._end_with_error(request_id, state, NO_ADMISSION)
+        if request_id is not None and request_id in self.active:
+            self.recovery.bounced(request_id)
 
     def on_reconnected(self) -> None:
         """Engine outputs sent to this instance while NATS was away are lost, so no request in flight

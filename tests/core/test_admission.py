@@ -59,13 +59,14 @@ def test_not_ready_engines_and_full_engines_get_nothing():
     assert q.decide() == []
 
 
-def test_queue_bound_and_duplicates():
-    q = AdmissionQueue(1)
+def test_queue_bound_and_a_resubmission_replaces_the_queued_copy_in_its_place():
+    q = AdmissionQueue(2)
     q.submit(request("a"))
-    with pytest.raises(ValueError):
-        q.submit(request("a"))
+    q.submit(request("b"))
+    q.submit(request("a", max_tokens=3))  # its tokenizer sent it again (a new admission, or a resume)
+    assert list(q.queue) == ["a", "b"] and q.queue["a"].params.max_tokens == 3
     with pytest.raises(QueueFull):
-        q.submit(request("b"))
+        q.submit(request("c"))
 
 
 def test_a_restarted_engine_is_offered_work_again():

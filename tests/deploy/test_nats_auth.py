@@ -58,10 +58,10 @@ def test_every_subject_of_the_project_is_in_the_config():
     names = [v for k, v in vars(subjects).items()
              if k.isupper() and isinstance(v, str) and v.startswith("orca.") and v not in prefixes]
     names += [subjects.engine_admit("*"), subjects.engine_step("*"), subjects.engine_result("*"),
-              subjects.detok("*"), f"{subjects.JOBS_RESULT_PREFIX}.>"]
+              subjects.detok("*"), subjects.placed("*"), f"{subjects.JOBS_RESULT_PREFIX}.>"]
     functions = [k for k, v in vars(subjects).items() if callable(v) and getattr(v, "__module__", "") == subjects.__name__
                  and k != "is_valid_token"]
-    assert sorted(functions) == ["detok", "engine_admit", "engine_result", "engine_step", "jobs_result"]
+    assert sorted(functions) == ["detok", "engine_admit", "engine_result", "engine_step", "jobs_result", "placed"]
     assert [n for n in names if f'"{n}"' not in conf] == []
 
 

@@ -11,7 +11,7 @@ from services.gateway.errors import APIError, from_generation_error
 from services.gateway.openai_types import ChatCompletionResponse, CompletionResponse
 from services.gateway.prompts import resolve_max_tokens
 from services.gateway.responses import Choice, chat_logprobs, chat_response, completion_logprobs, completion_response
-from shared.messages import AdmissionStatus, EngineStatus
+from shared.messages import AdmissionStatus, EngineStatus, TokenizerStatus
 
 TOKENS = {1: "a", 2: "bc", 3: "é"}
 ENTRIES = [{"token_id": 1, "logprob": -0.5, "top_logprobs": [{"token_id": 1, "logprob": -0.5},
@@ -78,12 +78,13 @@ def test_status_board_health_and_queue():
     board = StatusBoard()
     assert not board.healthy and not board.queue_full and board.max_model_len() is None
     board.on_admission(AdmissionStatus(queue_len=0, max_queue_len=2, num_engines_ready=1))
-    assert board.healthy and not board.queue_full
-    board.on_admission(AdmissionStatus(queue_len=2, max_queue_len=2, num_engines_ready=1))
-    assert board.queue_full
     board.on_engine(EngineStatus(replica="0", incarnation="i", ready=True, block_size=16, num_blocks=100,
                                  admissible_blocks=100, num_running=0, num_waiting=0, max_num_seqs=4,
                                  max_model_len=512, last_admit_sequence=0, iteration=0, kv_used_blocks=0))
+    board.on_tokenizer(TokenizerStatus("t", num_active=0))
+    assert board.healthy and not board.queue_full
+    board.on_admission(AdmissionStatus(queue_len=2, max_queue_len=2, num_engines_ready=1))
+    assert board.queue_full
     assert board.max_model_len() == 512 and board.kv_capacity_tokens() == 1600
     board.admission_at -= 60  # stale: not believed
     assert not board.healthy and not board.queue_full

@@ -16,6 +16,8 @@ from tests.reliability.helpers import Broker
 
 STEP_TIMEOUT_S = 3.0
 """Long enough for an iteration of the tiny model on a busy 2-core machine, short enough to test."""
+HANG_TIMEOUT_S = 5.0
+"""A service or engine master silent this long is killed and restarted by `orca serve`."""
 DRAIN_TIMEOUT_S = 20.0
 
 
@@ -54,7 +56,8 @@ def stack(demo_model, tmp_path_factory) -> Stack:
     try:
         serve = GatewayServe(["--model", demo_model, "--nats-url", broker.url, "--max-num-seqs", "4",
                               "--kv-cache-tokens", "8192", "--worker-threads", "1",
-                              "--step-timeout", str(STEP_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S)])
+                              "--step-timeout", str(STEP_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S),
+                              "--hang-timeout", str(HANG_TIMEOUT_S)])
     finally:
         del os.environ["ORCA_TEST_FAULT_FILE"]
     yield Stack(serve, broker, fault_file)

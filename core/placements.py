@@ -1,0 +1,101 @@
+"""Where each of a tokenizer's requests is, so that none is lost when what holds it dies.
+
+A tokenizer owns the requests it accepted until their last event: it alone knows every token it
+has sent each client. After it hands a request to admission, the request is either queued there
+or, once admission says so (`Placed`), held by one engine incarnation. So:
+
+- an engine incarnation that falls silent past the expiry, or is replaced by a new one, has lost
+  what it held: those requests *resume* (resubmitted with the tokens already sent; the engine
+  continues after them by recompute), up to MAX_RESUMES times;
+- an admission with a new incarnation has lost its queue: what was queued there is *resubmitted*
+  as it was;
+- a submission nobody received (NATS' "no responders": admission is restarting) is resubmitted
+  when an admission speaks again;
+- what waits on an admission that stays away past `no_admission_timeout_s` is given up (the shell
+  ends it with a clear error), so nothing waits forever.
+
+Pure: statuses and the clock in, request ids out; the shell (services/tokenizer/recovery.py) does
+the I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.liveness import Heartbeats
+from shared.messages import STATUS_EXPIRY_S, AdmissionStatus, EngineStatus, Placed, TokenizedRequest
+
+
+@dataclass
+class Tracked:
+    tokenized: TokenizedRequest
+    """The copy last submitted."""
+    engine: tuple[str, str] | None = None
+    """(replica, incarnation) that holds it; None while admission does (or nobody yet)."""
+    bounced_at: float | None = None
+    """When NATS said no admission received it (it waits for an admission to come back)."""
+
+
+@dataclass
+class Decisions:
+    resume: list[str]
+    """Lost with their engine: resubmit with the tokens sent so far."""
+    give_up: list[str]
+    """No admission for too long: end with an error."""
+
+
+class Placements:
+    def __init__(self, expiry_s: float = STATUS_EXPIRY_S, no_admission_timeout_s: float = 30.0) -> None:
+        self.tracked: dict[str, Tracked] = {}
+        self.engines = Heartbeats(expiry_s)
+        self.no_admission_timeout_s = no_admission_timeout_s
+        self.admission: str | None = None
+        """The incarnation of the admission last heard from."""
+        self.admission_at: float | None = None
+
+    def submitted(self, tokenized: TokenizedRequest) -> None:
+        self.tracked[tokenized.request_id] = Tracked(tokenized)
+
+    def bounced(self, request_id: str, now: float) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is not None:
+            tracked.bounced_at = now
+
+    def placed(self, placed: Placed) -> None:
+        for request_id in placed.request_ids:
+            tracked = self.tracked.get(request_id)
+            if tracked is not None:
+                tracked.engine, tracked.bounced_at = (placed.replica, placed.incarnation), None
+
+    def keep_only(self, active: set[str] | dict) -> None:
+        """Forget the requests that have ended (the shell does not report each end)."""
+        for request_id in [r for r in self.tracked if r not in active]:
+            del self.tracked[request_id]
+
+    def on_engine_status(self, status: EngineStatus, now: float) -> list[str]:
+        """Requests to resume: those held by the incarnation this status replaces."""
+        replaced = self.engines.beat(status.replica, status.incarnation, now)
+        return self._held_by(status.replica, replaced) if replaced is not None else []
+
+    def on_admission_status(self, status: AdmissionStatus, now: float) -> list[str]:
+        """Requests to resubmit: those queued with the admission this one replaces, and those no
+        admission received."""
+        restarted = self.admission is not None and status.incarnation != self.admission
+        self.admission, self.admission_at = status.incarnation, now
+        return [r for r, t in self.tracked.items()
+                if t.bounced_at is not None or (restarted and t.engine is None)]
+
+    def tick(self, now: float) -> Decisions:
+        """Engines silent past the expiry; requests that have waited too long for an admission."""
+        resume = [r for replica, incarnation in self.engines.expire(now) for r in self._held_by(replica, incarnation)]
+        return Decisions(resume, [r for r, t in self.tracked.items() if self._waited_too_long(t, now)])
+
+    def _waited_too_long(self, tracked: Tracked, now: float) -> bool:
+        if tracked.engine is not None:
+            return False
+        if tracked.bounced_at is not None:
+            return now - tracked.bounced_at > self.no_admission_timeout_s
+        return self.admission_at is not None and now - self.admission_at > self.no_admission_timeout_s
+
+    def _held_by(self, replica: str, incarnation: str) -> list[str]:
+        return [r for r, t in self.tracked.items() if t.engine == (replica, incarnation)]

@@ -1,0 +1,145 @@
+"""Launch engine master actors and keep them running: the one place that does (`orca serve` and
+`python -m services.engine` both use it).
+
+Ray restarts a master whose process dies (max_restarts) but does not call `run` on the new one:
+`MasterSupervisor.check` does, after a backoff. It also pings the master through Ray: one that
+answers nothing for `hang_timeout_s` is hung (a blocked loop, a SIGSTOP) and is killed for Ray to
+restart. Meanwhile the rest of the system has already counted it gone from its silent heartbeat
+(STATUS_EXPIRY_S) and resumes its requests once it, or another replica, serves again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.config import EngineConfig
+
+log = logging.getLogger("orca.engine")
+START_GRACE_S = 60.0
+"""After a (re)start, pings may wait while Ray brings the actor up: no hang verdict until then."""
+RESTART_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
+"""Delay before running a master again after its n-th failure in a row (the last one repeats)."""
+STABLE_S = 60.0
+"""A master that ran this long since its last start begins the backoff from the first delay again."""
+
+
+def launch_master(config: EngineConfig, nats_url: str, replica: str, *, worker_threads: int | None,
+                  step_timeout_s: float, worker_cpus: float) -> Any:
+    """The named master actor of one engine replica (not yet running: call `run`)."""
+    import ray
+
+    from services.engine.actor import EngineMasterActor
+
+    return ray.remote(EngineMasterActor).options(
+        name=f"orca-engine-{replica}", num_cpus=0, max_concurrency=64, max_restarts=-1, max_task_retries=0,
+    ).remote(config, nats_url, replica, worker_threads=worker_threads, step_timeout_s=step_timeout_s,
+             worker_cpus=worker_cpus)
+
+
+@dataclass
+class MasterSupervisor:
+    """One engine replica's master: its `run` call, kept going; `check` it a few times a second."""
+
+    replica: str
+    actor: Any
+    hang_timeout_s: float = 10.0
+    run_ref: Any = None
+    failures: int = 0
+    started_at: float = 0.0
+    next_run_at: float | None = None
+    ping_ref: Any = None
+    ping_sent_at: float = 0.0
+    process: tuple[str, int] | None = None
+    """(node id, pid) of the master's process, from its last answer."""
+    grace_until: float = 0.0
+    events: list[str] = field(default_factory=list)
+
+    def start(self, now: float) -> MasterSupervisor:
+        self.run_ref = self.actor.run.remote()
+        self.started_at, self.grace_until = now, now + START_GRACE_S
+        return self
+
+    def check(self, now: float) -> None:
+        import ray
+
+        if self.next_run_at is not None:
+            if now >= self.next_run_at:
+                self.next_run_at = None
+                self.start(now)
+            return
+        if ray.wait([self.run_ref], timeout=0)[0]:
+            self._ended(now)
+            return
+        self._watch_ping(now)
+
+    def _ended(self, now: float) -> None:
+        """`run` returned or failed: the process died (Ray restarts it) or the loop gave up (then
+        the actor is killed, so the next run starts from a clean process)."""
+        import ray
+
+        why = _outcome(self.run_ref)
+        if "actor is restarting" in why:  # `run` was called again before Ray had the actor back
+            self.next_run_at = now + 0.5
+            return
+        if not why.startswith(("ActorDiedError", "ActorUnavailableError")):
+            ray.kill(self.actor, no_restart=False)
+        self.failures = 1 if now - self.started_at > STABLE_S else self.failures + 1
+        delay = RESTART_BACKOFF_S[min(self.failures - 1, len(RESTART_BACKOFF_S) - 1)]
+        self._note(f"engine master {self.replica} stopped ({why}); running it again in {delay:.0f} s")
+        self.next_run_at, self.ping_ref, self.process = now + delay, None, None
+
+    def _watch_ping(self, now: float) -> None:
+        import ray
+
+        if self.ping_ref is not None and ray.wait([self.ping_ref], timeout=0)[0]:
+            self.process = _answer(self.ping_ref)  # None: an error from a restarting actor, alive either way
+            self.ping_ref = None
+            if self.process is not None:
+                self.grace_until = 0.0  # it is up: from now on silence means a hang
+        if self.ping_ref is None:
+            self.ping_ref, self.ping_sent_at = self.actor.ping.remote(), now
+        elif now - self.ping_sent_at > self.hang_timeout_s and now > self.grace_until:
+            self._note(f"engine master {self.replica} answered nothing for {self.hang_timeout_s:.0f} s (hung); "
+                       "killing it for Ray to restart")
+            self._kill()
+            self.ping_ref, self.grace_until = None, now + START_GRACE_S
+
+    def _kill(self) -> None:
+        """SIGKILL at once when the process is on this node (Ray's own kill first asks the process
+        to exit, and waits seconds for a hung one), and tell Ray either way."""
+        import ray
+
+        if self.process is not None and self.process[0] == ray.get_runtime_context().get_node_id():
+            try:
+                os.kill(self.process[1], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        ray.kill(self.actor, no_restart=False)
+        self.process = None
+
+    def _note(self, event: str) -> None:
+        log.warning("%s", event)
+        self.events.append(event)
+
+
+def _answer(ref: Any) -> tuple[str, int] | None:
+    import ray
+
+    try:
+        return tuple(ray.get(ref, timeout=5))
+    except Exception:  # noqa: BLE001 - a restarting actor: no process to note
+        return None
+
+
+def _outcome(ref: Any) -> str:
+    import ray
+
+    try:
+        ray.get(ref, timeout=5)
+    except Exception as exc:  # noqa: BLE001 - whatever ended it is reported, not raised
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    return "returned"
