@@ -18,11 +18,10 @@ from typing import Protocol
 from bench.cost_models import IterationShape, iteration_shapes
 from bench.loadgen import RunResult, StepEvent, drive_stepped
 from core.batch import RunnerOutput
-from core.kv_cache import KVCacheManager
-from core.policies import make_policy
 from core.request import Request
 from core.scheduler import Scheduler
 from shared.api import GenerateRequest
+from shared.config import CacheConfig, SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
@@ -59,12 +58,11 @@ class SimulatedEngine:
         self.cost_model = cost_model
         self.max_model_len = config.max_model_len or cost_model.max_model_len
         kv_tokens = config.kv_cache_tokens or cost_model.default_kv_cache_tokens
-        self.scheduler = Scheduler(
-            make_policy(config.policy), KVCacheManager(kv_tokens // config.block_size, config.block_size),
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens or max(self.max_model_len, 8192),
-            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
-        )
+        self.scheduler = Scheduler.from_config(
+            SchedulerConfig(policy=config.policy, max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
+            CacheConfig(kv_cache_tokens=kv_tokens, block_size=config.block_size), self.max_model_len)
         self.now = 0.0
         self.iterations = 0
         self.busy_s = 0.0

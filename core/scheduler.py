@@ -30,12 +30,25 @@ import bisect
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from core.kv_cache import KVCacheManager
-from core.policies import AdmissionPolicy
+from core.policies import AdmissionPolicy, make_policy
 from core.request import Request, RequestStatus, queue_key, victim_key
+from shared.config import CacheConfig, SchedulerConfig
 from shared.outputs import FinishReason, RequestOutput
 
 
 class Scheduler:
+    @classmethod
+    def from_config(cls, scheduler: SchedulerConfig, cache: CacheConfig, max_model_len: int,
+                    pipeline_depth: int = 1) -> Scheduler:
+        """The scheduler every engine runs (in process, the engine master, the simulator), with each
+        default rule stated once: an iteration's token budget is max(max_model_len, 8192) unless set."""
+        return cls(make_policy(scheduler.policy),
+                   KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching),
+                   max_num_seqs=scheduler.max_num_seqs,
+                   max_num_batched_tokens=scheduler.max_num_batched_tokens or max(max_model_len, 8192),
+                   max_model_len=max_model_len, enable_chunked_prefill=scheduler.enable_chunked_prefill,
+                   pipeline_depth=pipeline_depth)
+
     def __init__(
         self,
         policy: AdmissionPolicy,

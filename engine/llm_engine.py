@@ -17,8 +17,6 @@ import msgspec
 
 from core.batch import SchedulerOutput
 from core.detokenize import IncrementalDetokenizer
-from core.kv_cache import KVCacheManager
-from core.policies import make_policy
 from core.request import Request
 from core.scheduler import Scheduler
 from engine.executor import Executor, LocalExecutor, MultiprocExecutor, RunnerArgs, check_parallel
@@ -95,14 +93,9 @@ class LLMEngine:
         self.vocab_size = arch.vocab_size
         self.max_batches_in_flight = max_batches_in_flight or self.executor.depth
         self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
-        sched = config.scheduler
-        self.kv_cache = KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            make_policy(sched.policy), self.kv_cache, max_num_seqs=sched.max_num_seqs,
-            max_num_batched_tokens=sched.max_num_batched_tokens or max(self.max_model_len, 8192),
-            max_model_len=self.max_model_len, enable_chunked_prefill=sched.enable_chunked_prefill,
-            pipeline_depth=self.max_batches_in_flight,
-        )
+        self.scheduler = Scheduler.from_config(config.scheduler, cache, self.max_model_len,
+                                               pipeline_depth=self.max_batches_in_flight)
+        self.kv_cache = self.scheduler.kv_cache
         self.completions: dict[str, Completion] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.iterations: list[SchedulerOutput] = []
