@@ -1,15 +1,22 @@
-"""Ragged paged attention: the fast torch path and the Triton kernel against the dense reference."""
+"""Ragged paged attention: the fast torch path, the C CPU kernel and the Triton kernel against the dense
+reference."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import attention_cpu
 from kernels.attention import (
     attention_dense_reference,
     ragged_attention_torch,
     ragged_attention_triton,
 )
+
+# The CPU implementations share one contract and one set of tests: the torch path and the C kernel.
+CPU_IMPLS = [pytest.param(ragged_attention_torch, id="torch"),
+             pytest.param(attention_cpu.ragged_attention_cpu, id="c", marks=pytest.mark.skipif(
+                 not attention_cpu.available(torch.float32), reason="no C compiler here"))]
 
 
 # (q_len, seq_len): a 1-token prompt, a whole prompt, a chunk after cached context, decodes (one past a
@@ -29,22 +36,24 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 # ---- torch path ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("impl", CPU_IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("scattered", [False, True], ids=["consecutive", "scattered"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), HEADS)
-def test_torch_matches_dense(attention_batch, dtype, block_size, scattered, num_heads, num_kv_heads):
+def test_cpu_paths_match_dense(attention_batch, impl, dtype, block_size, scattered, num_heads, num_kv_heads):
     batch = attention_batch(MIXED, num_heads, num_kv_heads, 64, block_size, dtype, scattered)
-    _assert_close(ragged_attention_torch(*batch.args()), attention_dense_reference(*batch.args()))
+    _assert_close(impl(*batch.args()), attention_dense_reference(*batch.args()))
 
 
-@pytest.mark.parametrize("head_dim", [80, 96, 128, 256])
+@pytest.mark.parametrize("impl", CPU_IMPLS)
+@pytest.mark.parametrize("head_dim", [8, 80, 96, 128, 256])
 @pytest.mark.parametrize(
-    "requests", [MIXED, DECODES, [(12, 12)], [(3, 40)]], ids=["mixed", "decodes", "prompt", "chunk"]
+    "requests", [MIXED, DECODES, [(12, 12)], [(3, 40)], [(40, 40)]], ids=["mixed", "decodes", "prompt", "chunk", "long"]
 )
-def test_torch_shapes(attention_batch, head_dim, requests):
+def test_cpu_paths_shapes(attention_batch, impl, head_dim, requests):
     batch = attention_batch(requests, 4, 2, head_dim, 16, torch.float64, scattered=True)
-    _assert_close(ragged_attention_torch(*batch.args()), attention_dense_reference(*batch.args()))
+    _assert_close(impl(*batch.args()), attention_dense_reference(*batch.args()))
 
 
 def test_torch_reduced_precision(attention_batch):
@@ -74,9 +83,12 @@ def test_dense_reference_is_causal(attention_batch):
     scattered=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_torch_property(attention_batch, requests, heads, head_dim, block_size, scattered, seed):
+def test_cpu_paths_property(attention_batch, requests, heads, head_dim, block_size, scattered, seed):
     batch = attention_batch(requests, *heads, head_dim, block_size, torch.float64, scattered, seed)
-    _assert_close(ragged_attention_torch(*batch.args()), attention_dense_reference(*batch.args()))
+    expected = attention_dense_reference(*batch.args())
+    _assert_close(ragged_attention_torch(*batch.args()), expected)
+    if attention_cpu.available(torch.float64):
+        _assert_close(attention_cpu.ragged_attention_cpu(*batch.args()), expected)
 
 
 # ---- Triton kernel (interpreter on CPU) ------------------------------------------------------------
