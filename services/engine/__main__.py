@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from services.cli import add_engine_args, engine_config_from_args
 from services.logs import setup_logging
@@ -29,6 +30,8 @@ def main() -> int:
     parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
     parser.add_argument("--hang-timeout", type=float, default=10.0,
                         help="a master that answers nothing this many seconds is killed and restarted")
+    parser.add_argument("--alive-file", default=None,
+                        help="touch this file every half second while supervising (a container's liveness check)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     setup_logging(args.log_level)
@@ -47,8 +50,11 @@ def main() -> int:
                            worker_cpus=args.worker_cpus, step_timeout_s=args.step_timeout)
     supervisor = MasterSupervisor(args.replica, master, hang_timeout_s=args.hang_timeout).start(time.monotonic())
     print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
+    alive = Path(args.alive_file) if args.alive_file else None
     while not stop["now"]:
         supervisor.check(time.monotonic())  # restarts a master that died or hangs
+        if alive is not None:
+            alive.touch()
         time.sleep(0.5)
     ray.get(master.stop.remote(), timeout=10)
     ray.shutdown()

@@ -52,12 +52,13 @@ class Ledger:
     refusals: int = 0
     resends: int = 0
     http_errored: int = 0
-    completions: list[tuple[float, float]] = field(default_factory=list)
-    """(sent at, done at), monotonic, of each completed request."""
+    completions: list[tuple[float, float, str]] = field(default_factory=list)
+    """(sent at, done at, "nats" or "http"), monotonic, of each completed request."""
     problems: list[str] = field(default_factory=list)
 
-    def served_after(self, fault_at: float) -> float | None:
-        done = [end for start, end in self.completions if start >= fault_at]
+    def served_after(self, fault_at: float, transport: str | None = None) -> float | None:
+        """From the fault to the first completion of a request sent after it (over `transport`)."""
+        done = [end for start, end, how in self.completions if start >= fault_at and transport in (None, how)]
         return min(done) - fault_at if done else None
 
     def note(self, kind: str, what: str) -> None:
@@ -118,7 +119,7 @@ class Load:
             self.ledger.note("errored", f"{request_id}: {final.get('error')}")
         elif final["finish_reason"] == "length" and tokens_of(events) == expected:
             self.ledger.completed += 1
-            self.ledger.completions.append((sent_at, time.monotonic()))
+            self.ledger.completions.append((sent_at, time.monotonic(), "nats"))
         else:
             self.ledger.note("lost", f"{request_id}: {final['finish_reason']} with {len(tokens_of(events))} tokens, "
                                      f"{'equal' if tokens_of(events) == expected[:len(tokens_of(events))] else 'wrong'}")
@@ -139,7 +140,7 @@ class Load:
                 continue
             if outcome == "ok-text" + self.texts[prompt]:
                 self.ledger.completed += 1
-                self.ledger.completions.append((sent_at, time.monotonic()))
+                self.ledger.completions.append((sent_at, time.monotonic(), "http"))
             elif outcome.startswith("error"):
                 self.ledger.http_errored += 1
                 self.ledger.note("errored", f"http {self.label}-h{n}-{i}: {outcome[:200]}")
