@@ -5,10 +5,10 @@
  * positions seq_lens[i] - q_len_i .. seq_lens[i] - 1 and attend to every cached position up to their
  * own, reading K/V through the request's block table. Prompts, prompt chunks and decodes share a call.
  *
- * Work is split into items of (request, kv head, up to TILE_ROWS query tokens), spread over OpenMP
- * threads. An item holds the query rows of all GROUP heads that share its kv head, so each K and V
- * row is read from memory once for all of them: decode attention is memory-bound, and this keeps it
- * at one pass over the request's cache. Softmax is exact (two passes over a row of scores kept in a
+ * Work is split into items of (request, up to TILE_ROWS query tokens), spread over OpenMP threads.
+ * An item holds the query rows of every head, so each cache slot (all KV heads' rows, contiguous) is
+ * read from memory once and whole, block by block: decode attention is memory-bound, and reading
+ * whole slots in order lets the prefetcher stream them. Softmax is exact (two passes over a row of scores kept in a
  * per-thread buffer), in the accumulation type of the kernel (float for f32, double for f64).
  *
  * Built on first use by kernels/cpu_build.py and called through ctypes from kernels/attention_cpu.py;
@@ -20,6 +20,27 @@
 #include <string.h>
 
 #define TILE_ROWS 8
+
+/* exp(x) for x <= 0 in float, vectorisable (no libm call in the loop): Cephes' range reduction and
+ * polynomial, within 2 ulp of expf; below -87 it returns ~1e-38 instead of a denormal. */
+static inline float exp_f32(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n */
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline double exp_f64(double x) { return exp(x); }
 
 static int64_t find_request(const int64_t *tile_start, int64_t num_seqs, int64_t tile) {
     int64_t lo = 0, hi = num_seqs;  /* the last request whose first tile is <= tile */
@@ -51,8 +72,8 @@ int NAME(                                                                       
         int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];                                        \
         tile_start[s + 1] = tile_start[s] + (q_len + TILE_ROWS - 1) / TILE_ROWS;                            \
     }                                                                                                       \
-    const int64_t num_items = tile_start[num_seqs] * num_kv_heads;                                          \
-    const int64_t max_rows = TILE_ROWS * group;                                                             \
+    const int64_t num_items = tile_start[num_seqs];                                                         \
+    const int64_t max_rows = TILE_ROWS * num_heads;                                                         \
     int failed = 0;                                                                                         \
     _Pragma("omp parallel")                                                                                 \
     {                                                                                                       \
@@ -64,58 +85,74 @@ int NAME(                                                                       
             failed = 1;                                                                                     \
         }                                                                                                   \
         _Pragma("omp for schedule(dynamic, 1)")                                                             \
-        for (int64_t item = 0; item < num_items; item++) {                                                  \
+        for (int64_t tile = 0; tile < num_items; tile++) {                                                  \
             if (scores == NULL || acc == NULL || q == NULL) continue;                                       \
-            const int64_t tile = item / num_kv_heads, kv_head = item % num_kv_heads;                        \
             const int64_t s = find_request(tile_start, num_seqs, tile);                                     \
             const int64_t q_start = query_start_loc[s];                                                     \
             const int64_t q_len = query_start_loc[s + 1] - q_start;                                         \
             const int64_t context = seq_lens[s] - q_len;  /* tokens cached before this iteration */        \
             const int64_t row0 = (tile - tile_start[s]) * TILE_ROWS;                                        \
             const int64_t num_tokens = q_len - row0 < TILE_ROWS ? q_len - row0 : TILE_ROWS;                 \
-            const int64_t rows = num_tokens * group;  /* row r: token r / group, head r % group */          \
+            const int64_t rows = num_tokens * num_heads;  /* row r: token r / num_heads, head r % num_heads */ \
             const int64_t kv_end = context + row0 + num_tokens;  /* causal bound of the last token */      \
             const int32_t *table = block_tables + s * max_blocks;                                           \
             for (int64_t r = 0; r < rows; r++) {                                                            \
-                const T *src = query + (q_start + row0 + r / group) * stride_qt                             \
-                                     + (kv_head * group + r % group) * stride_qh;                           \
+                const T *src = query + (q_start + row0 + r / num_heads) * stride_qt + (r % num_heads) * stride_qh; \
                 for (int64_t d = 0; d < head_dim; d++) q[r * head_dim + d] = (ACC)src[d] * (ACC)scale;      \
             }                                                                                               \
-            for (int64_t n = 0; n < kv_end; n++) {  /* pass 1: scores, one K row for all rows */            \
-                const int64_t slot = (int64_t)table[n / block_size] * block_size + n % block_size;          \
-                const T *k = k_cache + slot * slot_stride + kv_head * head_dim;                             \
-                for (int64_t r = 0; r < rows; r++) {                                                        \
-                    const ACC *qr = q + r * head_dim;                                                       \
-                    ACC dot = 0;                                                                            \
-                    _Pragma("omp simd reduction(+:dot)")                                                    \
-                    for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * (ACC)k[d];                        \
-                    scores[r * max_seq_len + n] = dot;                                                      \
+            for (int64_t n0 = 0; n0 < kv_end; n0 += block_size) {  /* pass 1: scores, block by block */   \
+                const T *k = k_cache + (int64_t)table[n0 / block_size] * block_size * slot_stride;          \
+                const int64_t n1 = n0 + block_size < kv_end ? n0 + block_size : kv_end;                     \
+                const T *k_next = n0 + block_size < kv_end                                            \
+                    ? k_cache + (int64_t)table[n0 / block_size + 1] * block_size * slot_stride : NULL;   \
+                for (int64_t n = n0; n < n1; n++, k += slot_stride) {  /* one slot: every head's K row */  \
+                    if (k_next != NULL)  /* the next block is elsewhere: fetch it while this one runs */ \
+                        for (int64_t b = 0; b < slot_stride * (int64_t)sizeof(T); b += 64)                \
+                            __builtin_prefetch((const char *)(k_next + (n - n0) * slot_stride) + b);   \
+                    for (int64_t r = 0; r < rows; r++) {                                                    \
+                        const ACC *qr = q + r * head_dim;                                                   \
+                        const T *kh = k + ((r % num_heads) / group) * head_dim;                             \
+                        ACC dot = 0;                                                                        \
+                        _Pragma("omp simd reduction(+:dot)")                                                \
+                        for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * (ACC)kh[d];                   \
+                        scores[r * max_seq_len + n] = dot;                                                  \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
             for (int64_t r = 0; r < rows; r++) {  /* softmax over each row's causal prefix */               \
                 ACC *row = scores + r * max_seq_len;                                                        \
-                const int64_t end = context + row0 + r / group + 1;                                         \
+                const int64_t end = context + row0 + r / num_heads + 1;                                     \
                 ACC m = row[0];                                                                             \
                 for (int64_t n = 1; n < end; n++) m = row[n] > m ? row[n] : m;                              \
                 ACC sum = 0;                                                                                \
+                _Pragma("omp simd reduction(+:sum)")                                                        \
                 for (int64_t n = 0; n < end; n++) { row[n] = EXP(row[n] - m); sum += row[n]; }              \
-                for (int64_t n = 0; n < end; n++) row[n] /= sum;                                            \
+                const ACC inv = (ACC)1 / sum;                                                               \
+                _Pragma("omp simd")                                                                         \
+                for (int64_t n = 0; n < end; n++) row[n] *= inv;                                            \
                 for (int64_t n = end; n < kv_end; n++) row[n] = 0;                                          \
             }                                                                                               \
             memset(acc, 0, (size_t)(rows * head_dim) * sizeof(ACC));                                        \
-            for (int64_t n = 0; n < kv_end; n++) {  /* pass 2: weighted sum, one V row for all rows */      \
-                const int64_t slot = (int64_t)table[n / block_size] * block_size + n % block_size;          \
-                const T *v = v_cache + slot * slot_stride + kv_head * head_dim;                             \
-                for (int64_t r = 0; r < rows; r++) {                                                        \
-                    const ACC p = scores[r * max_seq_len + n];                                              \
-                    ACC *ar = acc + r * head_dim;                                                           \
-                    _Pragma("omp simd")                                                                     \
-                    for (int64_t d = 0; d < head_dim; d++) ar[d] += p * (ACC)v[d];                          \
+            for (int64_t n0 = 0; n0 < kv_end; n0 += block_size) {  /* pass 2: weighted sum of V rows */   \
+                const T *v = v_cache + (int64_t)table[n0 / block_size] * block_size * slot_stride;          \
+                const int64_t n1 = n0 + block_size < kv_end ? n0 + block_size : kv_end;                     \
+                const T *v_next = n0 + block_size < kv_end                                            \
+                    ? v_cache + (int64_t)table[n0 / block_size + 1] * block_size * slot_stride : NULL;   \
+                for (int64_t n = n0; n < n1; n++, v += slot_stride) {  /* one slot: every head's V row */  \
+                    if (v_next != NULL)  /* the next block is elsewhere: fetch it while this one runs */ \
+                        for (int64_t b = 0; b < slot_stride * (int64_t)sizeof(T); b += 64)                \
+                            __builtin_prefetch((const char *)(v_next + (n - n0) * slot_stride) + b);   \
+                    for (int64_t r = 0; r < rows; r++) {                                                    \
+                        const ACC p = scores[r * max_seq_len + n];                                          \
+                        const T *vh = v + ((r % num_heads) / group) * head_dim;                             \
+                        ACC *ar = acc + r * head_dim;                                                       \
+                        _Pragma("omp simd")                                                                 \
+                        for (int64_t d = 0; d < head_dim; d++) ar[d] += p * (ACC)vh[d];                     \
+                    }                                                                                       \
                 }                                                                                           \
             }                                                                                               \
-            for (int64_t r = 0; r < rows; r++) {                                                            \
-                T *dst = out + ((q_start + row0 + r / group) * num_heads + kv_head * group + r % group)     \
-                               * head_dim;                                                                  \
+            for (int64_t r = 0; r < rows; r++) {  /* rows are (token, head) in out's own order */          \
+                T *dst = out + (q_start + row0) * num_heads * head_dim + r * head_dim;                      \
                 for (int64_t d = 0; d < head_dim; d++) dst[d] = (T)acc[r * head_dim + d];                   \
             }                                                                                               \
         }                                                                                                   \
@@ -125,5 +162,5 @@ int NAME(                                                                       
     return failed;                                                                                          \
 }
 
-DEFINE_RAGGED_ATTENTION(ragged_attention_f32, float, float, expf)
-DEFINE_RAGGED_ATTENTION(ragged_attention_f64, double, double, exp)
+DEFINE_RAGGED_ATTENTION(ragged_attention_f32, float, float, exp_f32)
+DEFINE_RAGGED_ATTENTION(ragged_attention_f64, double, double, exp_f64)
