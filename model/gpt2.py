@@ -7,7 +7,6 @@ at load time so every projection is a plain nn.Linear.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import KernelOps
@@ -84,7 +83,7 @@ class GPT2LMHeadModel(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head.weight)  # (N, V)
+        return self.lm_head(h)  # (N, V)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         name = name.removeprefix("transformer.")

@@ -9,7 +9,6 @@ q/k/v and gate/up fused at load time (one matmul each instead of three and two).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.backend import KernelOps
@@ -117,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head.weight)  # (N, V)
+        return self.lm_head(h)  # (N, V)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor into place, fusing q/k/v and gate/up on the way."""
