@@ -1,31 +1,58 @@
 """The model's linear layers on the CPU through oneDNN, with weights packed once at load time.
 
 torch's `F.linear` runs float32 matmuls through MKL, which on this project's AMD EPYC machine reaches
-about 100 GFLOP/s on one core at the batch sizes an engine sees (64-1024 rows); oneDNN, which picks
-its kernels by instruction set rather than vendor, with the weight packed once into its blocked
-layout, reaches about 200 (benchmarks/README.md). Packing replaces each plain `nn.Linear` (not the
-row-parallel ones, which all-reduce) by torch's own `MkldnnLinear`. Float32 on the CPU only: float64
-(the exactness tests) and the plain torch reference path (`--kernel-backend torch`) keep `F.linear`.
+about 100 GFLOP/s at the row counts an engine sees (64-128); oneDNN, which picks its kernels by
+instruction set rather than by vendor, with the weight reordered once into its blocked layout and
+called on dense tensors (the op Inductor's weight prepacking uses), reaches 210-230 (measured with
+2 threads at the tiny Llama's MLP shape, 256 x 1376). For one or two rows (a lone decode) MKL's
+matrix-vector product is faster, so those keep `F.linear` on the dense weight, which means every
+packed weight is held twice: packing is skipped for models whose linear weights exceed PACK_LIMIT_BYTES.
+Float32 on the CPU only: float64 (the exactness tests) and the plain torch reference path
+(`--kernel-backend torch`) keep `F.linear` everywhere. Row-parallel linears (they all-reduce) are left alone.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.utils.mkldnn import MkldnnLinear
+
+PACK_LIMIT_BYTES = 2 * 1024**3
+"""Above this much linear weight, packing (a second copy of every weight) is not worth the memory."""
+DENSE_BELOW_ROWS = 3
+"""Fewer rows than this run on the dense weight (MKL's matrix-vector path is faster there)."""
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+class PackedLinear(nn.Module):
+    """y = x @ W^T + b with W in oneDNN's packed layout; a drop-in for an nn.Linear on float32 CPU tensors."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight  # dense, for one or two rows (and for anyone reading .weight)
+        self.bias = linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        if x.shape[0] < DENSE_BELOW_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+def can_pack(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return False
+    weight_bytes = sum(m.weight.numel() * 4 for m in model.modules() if type(m) is nn.Linear)
+    return weight_bytes <= PACK_LIMIT_BYTES
+
+
+@torch.inference_mode()
 def pack_linears(model: nn.Module) -> int:
-    """Replace every plain nn.Linear under `model` by a oneDNN one with packed weights; returns how many.
-    A weight shared with another module (a tied LM head) is packed as a copy for the linear's use."""
+    """Replace every plain nn.Linear under `model` by a PackedLinear; returns how many."""
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, MkldnnLinear(child, torch.float32))
+                setattr(parent, name, PackedLinear(child))
                 packed += 1
     return packed

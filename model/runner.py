@@ -62,7 +62,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
         self.compiled: CompiledForward | None = None
-        if self.ops is CPU_OPS and can_pack(self.device, self.dtype) and not compile_step:
+        if self.ops is CPU_OPS and can_pack(self.model, self.device, self.dtype) and not compile_step:
             pack_linears(self.model)  # oneDNN with packed weights: about 2x MKL's float32 matmuls here
         if compile_step:
             self.compiled = CompiledForward(self.model, self.ops, self.device, self.kv_caches, scratch_block=num_blocks,
