@@ -6,6 +6,10 @@ publishing), then the prompts against the context, then publish. The first event
 before the HTTP status is chosen, so an error the system finds (the queue filled meanwhile, an
 engine failed) is still a 4xx/5xx status and not a 200 stream with an error inside. A client that
 goes away (HTTP disconnect, or Ray Serve cancelling the call) gets every unfinished request aborted.
+
+A stream is coalesced, never delayed: the first event goes out alone, at once; after that each write
+carries everything that arrived since the last one (several tokens per chunk, the chunks of several
+choices, and at the end the last chunk, usage and `[DONE]` together).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from services.gateway.engine_client import Event, Generation
+from services.gateway.engine_client import Event, Generation, coalesce
 from services.gateway.errors import APIError, error_body, from_generation_error
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, PromptInput, check_unsupported,
@@ -94,6 +98,30 @@ class Call:
                 "created": self.created, "model": self.model, "choices": [],
                 "usage": usage(self.prompt_lens, self.choices)}
 
+    def write(self, batch: list[tuple[int, Event]]) -> tuple[bytes, bool]:
+        """The server-sent events of `batch`, as one write; True when an error ended the stream (its
+        error object is the write's last event)."""
+        out = []
+        for index, event in batch:
+            if event.finish_reason == "error":
+                error = from_generation_error(event.error)
+                out.append(sse(error_body(error.status, error.message, error.param, error.status)))
+                return b"".join(out), True
+            out.extend(sse(chunk) for chunk in self.chunks(index, event))
+        return b"".join(out), False
+
+    def ending(self, failed: bool) -> bytes:
+        """What ends a stream (usage, unless it failed, then `[DONE]`); counts its tokens."""
+        self.state.tokens["completion"] += sum(c.num_tokens for c in self.choices)
+        return (sse(self.usage_chunk()) if self.include_usage and not failed else b"") + SSE_DONE
+
+    def add_all(self, batch: list[tuple[int, Event]]) -> None:
+        """A whole (not streamed) response takes in `batch`; a generation error is an API error."""
+        for index, event in batch:
+            if event.finish_reason == "error":
+                raise from_generation_error(event.error)
+            self.choices[index].add(event)
+
 
 async def create_completion(state: GatewayState, body: CompletionRequest, http: Request) -> Response:
     state.check_model(body.model)
@@ -143,13 +171,10 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
             streaming = True
             return StreamingResponse(_stream(call, first, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        item: tuple[int, Event] | None = first
-        while item is not None:
-            index, event = item
-            if event.finish_reason == "error":
-                raise from_generation_error(event.error)
-            call.choices[index].add(event)
-            item = await generation.next()
+        batch: list[tuple[int, Event]] | None = [first]
+        while batch is not None:
+            call.add_all(batch)
+            batch = await generation.take()
         state.tokens["completion"] += sum(c.num_tokens for c in call.choices)
         return Response(msgspec.json.encode(call.response()), media_type="application/json")
     finally:
@@ -169,22 +194,19 @@ async def _first_event(generation: Generation) -> tuple[int, Event]:
 
 
 async def _stream(call: Call, first: tuple[int, Event], watcher: asyncio.Task):
-    item: tuple[int, Event] | None = first
+    """The first event at once, then one write per `take()`: what arrived while the last write was
+    on its way leaves together."""
+    batch: list[tuple[int, Event]] | None = coalesce([first])  # an error after text: the text, then the error
     try:
-        while item is not None:
-            index, event = item
-            if event.finish_reason == "error":
-                error = from_generation_error(event.error)
-                yield sse(error_body(error.status, error.message, error.param, error.status))
-                break
-            for chunk in call.chunks(index, event):
-                yield sse(chunk)
-            item = await call.generation.next()
-        else:
-            if call.include_usage:
-                yield sse(call.usage_chunk())
-        call.state.tokens["completion"] += sum(c.num_tokens for c in call.choices)
-        yield SSE_DONE
+        while batch is not None:
+            body, failed = call.write(batch)
+            if failed or call.generation.complete:
+                yield body + call.ending(failed)
+                return
+            if body:
+                yield body
+            batch = await call.generation.take()
+        yield call.ending(False)  # closed: the client has gone
     finally:
         watcher.cancel()
         call.generation.close()

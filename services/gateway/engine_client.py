@@ -4,7 +4,9 @@ context length). Streams whose tokenizer dies are resumed (`StreamWatch`, servic
 
 One connection per gateway process. Every request's reply subject is `<inbox>.<request id>`
 under one wildcard subscription, and a `Generation` merges the events of the n requests one
-HTTP call fans out to.
+HTTP call fans out to. Its writer (the HTTP response) takes everything that arrived since its last
+write at once, merged per choice (`coalesce`): a busy writer sends several tokens per write, an idle
+one gets each event as soon as it arrives.
 """
 
 from __future__ import annotations
@@ -47,7 +49,27 @@ class Event(GenerateEvent, frozen=True, omit_defaults=True):
 event_decoder = msgspec.json.Decoder(Event)
 
 
-_CLOSED = (-1, None)
+def coalesce(arrived: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
+    """Events that arrived since the last write, merged per choice (first arrival first): a
+    choice's tokens, text and logprobs in one event, ending as its last event ends. An error that
+    ends a choice stays an event of its own, after the choice's text."""
+    per_choice: dict[int, list[Event]] = {}
+    for index, event in arrived:
+        per_choice.setdefault(index, []).append(event)
+    return [(index, merged) for index, events in per_choice.items() for merged in merge(events)]
+
+
+def merge(events: list[Event]) -> list[Event]:
+    last = events[-1]
+    token_ids = [t for e in events for t in e.token_ids]
+    text = "".join(e.text for e in events)
+    logprobs = [lp for e in events for lp in e.logprobs or ()] or None
+    if last.finish_reason == "error" and (token_ids or text):
+        content = Event(last.id, token_ids, text, None, logprobs=logprobs)
+        return [content, msgspec.structs.replace(last, token_ids=[], text="", logprobs=None)]
+    if len(events) == 1:
+        return events
+    return [msgspec.structs.replace(last, token_ids=token_ids, text=text, logprobs=logprobs)]
 
 
 class Generation:
@@ -57,26 +79,48 @@ class Generation:
         self.client = client
         self.public_id = public_id
         self.requests = requests
-        self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+        self.arrived: list[tuple[int, Event]] = []
+        """Events not taken yet, in arrival order."""
+        self._wakeup = asyncio.Event()
         self.unfinished = {r.id for r in requests}
         self.done = asyncio.Event()
-        """Set when every request has sent its last event (some may still wait in `queue`)."""
+        """Set when every request has sent its last event (some may still wait in `arrived`)."""
         self.closed = False
 
     def deliver(self, index: int, event: Event) -> None:
-        self.queue.put_nowait((index, event))
+        self.arrived.append((index, event))
+        self._wakeup.set()
         if event.finish_reason is not None:
             self.unfinished.discard(self.requests[index].id)
             if not self.unfinished:
                 self.done.set()
 
-    async def next(self) -> tuple[int, Event] | None:
-        """The next event of any of the requests (choice index, event); None after the last one, or
-        once the generation is closed."""
-        if self.closed or (self.queue.empty() and not self.unfinished):
+    @property
+    def complete(self) -> bool:
+        """Every event has been taken, the last ones included."""
+        return not self.unfinished and not self.arrived
+
+    async def take(self) -> list[tuple[int, Event]] | None:
+        """Everything that arrived since the last take, merged per choice (`coalesce`); waits only
+        while nothing has. None after the last event, or once the generation is closed."""
+        if not await self._arrival():
             return None
-        item = await self.queue.get()
-        return None if item is _CLOSED else item
+        arrived, self.arrived = self.arrived, []
+        return coalesce(arrived)
+
+    async def next(self) -> tuple[int, Event] | None:
+        """The next event of any of the requests (choice index, event), as it came; None after the
+        last one, or once the generation is closed."""
+        return self.arrived.pop(0) if await self._arrival() else None
+
+    async def _arrival(self) -> bool:
+        """Wait until there is an event to take; False when none will come or the generation closed."""
+        while not self.arrived:
+            if self.closed or not self.unfinished:
+                return False
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return not self.closed
 
     def abort(self) -> list[str]:
         """Abort every request of this call that has not finished (fire and forget: safe to call
@@ -93,7 +137,7 @@ class Generation:
         if self.unfinished:
             self.abort()
         self.client.forget(self)
-        self.queue.put_nowait(_CLOSED)  # wakes a reader still waiting
+        self._wakeup.set()  # wakes a reader still waiting
 
 
 class EngineClient:

@@ -8,6 +8,10 @@ through a queue group; each replica owns the requests it accepted.
 
 Failures: it resumes or resubmits what a dead engine or admission held, publishes a heartbeat and
 answers clients who ask whether it still holds their request (services/tokenizer/recovery.py).
+
+Streams are coalesced, never delayed: the engine's messages land in an inbox that one writer task
+drains. A request's outputs that piled up while the writer was busy leave in one event carrying
+all their tokens (and a logprob per token); when the writer is idle, a lone token leaves at once.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client
@@ -34,7 +38,7 @@ from shared.api import (AbortRequest, GenerateEvent, GenerateRequest, Usage, dec
                         event_logprobs)
 from shared.codec import Codec
 from shared.messages import Cancel, IterationOutputs, TokenizedRequest
-from shared.outputs import FinishReason, RequestOutput
+from shared.outputs import FinishReason, RequestOutput, TokenLogprob
 from shared.telemetry import SnapshotPublisher
 
 log = logging.getLogger("orca.tokenizer")
@@ -47,6 +51,28 @@ RECENT_SUBMISSIONS = 10_000
 """Submissions remembered for a 'no responders' answer (it comes within a round trip, if at all)."""
 INTERRUPTED = "the message bus (NATS) restarted while this request ran; its output may be incomplete"
 SHUTTING_DOWN = "this orca-serve instance is shutting down; retry later"
+
+
+@dataclass
+class Taken:
+    """What one event of a request carries: the tokens of the outputs taken since its last event."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    reason: FinishReason | None = None
+    error: str | None = None
+    stop_string: bool = False
+    """A stop string matched: the engine does not know yet that the request ended."""
+
+
+def by_request(arrived: list[bytes]) -> dict[str, list[RequestOutput]]:
+    """The outputs of several iterations' messages, per request in order (first arrival first)."""
+    grouped: dict[str, list[RequestOutput]] = {}
+    for data in arrived:
+        for output in outputs_codec.decode(data).outputs:
+            grouped.setdefault(output.request_id, []).append(output)
+    return grouped
 
 
 @dataclass
@@ -73,6 +99,9 @@ class TokenizerService:
         self._submission_ids = itertools.count()
         self.draining = False
         self._tasks: set[asyncio.Task] = set()
+        self._arrived: list[bytes] = []  # engine messages the writer has not taken yet
+        self._wakeup = asyncio.Event()
+        self._writer: asyncio.Task | None = None
         self.telemetry = TokenizerTelemetry(model_name)
         self.metrics = SnapshotPublisher(nc, self.telemetry.snapshot)
         self.recovery = Recovery(self)
@@ -83,6 +112,7 @@ class TokenizerService:
         await self.nc.subscribe(f"{self.bounce_inbox}.*", cb=self.on_bounce)
         on_reconnect(self.nc, self.on_reconnected)
         await self.recovery.start()
+        self._writer = asyncio.get_running_loop().create_task(self._write_events())
         self.metrics.start()
 
     async def on_generate(self, msg: Msg) -> None:
@@ -128,33 +158,61 @@ class TokenizerService:
         return self.tokenizer.encode(request.prompt or "")
 
     async def on_outputs(self, msg: Msg) -> None:
-        for output in outputs_codec.decode(msg.data).outputs:
-            await self._forward(output)
+        """An engine message: into the inbox, for the writer (which may be busy writing)."""
+        self._arrived.append(msg.data)
+        self._wakeup.set()
 
-    async def _forward(self, output: RequestOutput) -> None:
-        state = self.active.get(output.request_id)
+    async def _write_events(self) -> None:
+        """The writer: takes everything in the inbox, writes one event per request, and waits only
+        when the inbox is empty (no timer: a lone token leaves as soon as it arrives)."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            arrived, self._arrived = self._arrived, []
+            for request_id, outputs in by_request(arrived).items():
+                try:
+                    await self._forward(request_id, outputs)
+                except Exception:  # noqa: BLE001 - one request's failure must not stop the others' streams
+                    log.exception("could not forward the outputs of %s", request_id)
+
+    async def _forward(self, request_id: str, outputs: list[RequestOutput]) -> None:
+        state = self.active.get(request_id)
         if state is None:
             return  # already ended here (e.g. a stop string matched before the engine knew)
-        state.num_generated += len(output.new_token_ids)
-        detokenize_start = time.perf_counter()
-        text = state.detokenizer.add(output.new_token_ids)
-        self.telemetry.on_output(state.trace, len(output.new_token_ids), time.perf_counter() - detokenize_start)
-        reason = output.finish_reason
-        if state.detokenizer.stopped and reason is None:
-            reason = FinishReason.STOP
-            await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(output.request_id, reason)))
-        logprobs = event_logprobs(output.logprobs) if output.logprobs else None
-        if reason is None:
-            await self._publish(state.reply, GenerateEvent(output.request_id, list(output.new_token_ids), text, None,
+        taken = self._take(state, outputs)
+        if taken.stop_string:
+            await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(request_id, FinishReason.STOP)))
+        logprobs = event_logprobs(taken.logprobs) if taken.logprobs else None
+        if taken.reason is None:
+            await self._publish(state.reply, GenerateEvent(request_id, taken.token_ids, taken.text, None,
                                                            logprobs=logprobs))
             return
-        text += state.detokenizer.flush()
-        del self.active[output.request_id]
-        self.telemetry.on_final(state.trace, reason, len(state.prompt_token_ids), state.num_generated, output.error)
+        del self.active[request_id]
+        self.telemetry.on_final(state.trace, taken.reason, len(state.prompt_token_ids), state.num_generated,
+                                taken.error)
         await self._publish(state.reply, GenerateEvent(
-            output.request_id, list(output.new_token_ids), text, reason.label, error=output.error,
-            usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids,
-            logprobs=logprobs))
+            request_id, taken.token_ids, taken.text + state.detokenizer.flush(), taken.reason.label,
+            error=taken.error, usage=Usage(len(state.prompt_token_ids), state.num_generated),
+            prompt_token_ids=state.prompt_token_ids, logprobs=logprobs))
+
+    def _take(self, state: ActiveRequest, outputs: list[RequestOutput]) -> Taken:
+        """Detokenize `outputs` in order, each as if it had come alone (same text, same metrics), up
+        to the first that ends the request: the engine's last output, or a stop string's match."""
+        taken = Taken()
+        for output in outputs:
+            start = time.perf_counter()
+            taken.text += state.detokenizer.add(output.new_token_ids)
+            self.telemetry.on_output(state.trace, len(output.new_token_ids), time.perf_counter() - start)
+            state.num_generated += len(output.new_token_ids)
+            taken.token_ids += output.new_token_ids
+            taken.logprobs += output.logprobs or ()
+            if output.finish_reason is not None:
+                taken.reason, taken.error = output.finish_reason, output.error
+                break
+            if state.detokenizer.stopped:
+                taken.reason, taken.stop_string = FinishReason.STOP, True
+                break
+        return taken
 
     async def _publish(self, subject: str, event: GenerateEvent) -> None:
         await self.nc.publish(subject, encode_json(event))
@@ -204,7 +262,14 @@ class TokenizerService:
             del self.active[request_id]
             await self._end_with_error(request_id, state, SHUTTING_DOWN)
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.stop_writer()
         await self.nc.flush(timeout=5)
+
+    async def stop_writer(self) -> None:
+        """No request is left to write for (after a drain, or in a test)."""
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
 
     async def _end_with_error(self, request_id: str, state: ActiveRequest, error: str) -> None:
         """The final event of a request this instance gives up on (the caller removed it from
