@@ -85,10 +85,10 @@ def by_role(before: dict, after: dict) -> dict[str, float]:
 
 
 def bench(transport: str, args: argparse.Namespace, extra: list[str]) -> tuple[dict, float]:
-    """One `orca bench` run: its saved result and the CPU seconds the bench process itself spent
+    """One `orca bench` run (as the CLI runs it: OpenMP waits passive) : its saved result and the CPU seconds the bench process itself spent
     (for `inprocess`, the engine's: it runs inside the bench process)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, "-m", "bench.cli", "bench", "--transport", transport, "--disable-tqdm",
+        cmd = [sys.executable, "-m", "services.cli", "bench", "--transport", transport, "--disable-tqdm",
                "--save-result", out.name, *extra]
         cmd += {"http": ["--base-url", args.base_url], "nats": ["--nats-url", args.nats_url],
                 "inprocess": ["--model", args.model] if args.model else []}[transport]
