@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import time
 
 import httpx
 import nats
@@ -13,7 +16,7 @@ import pytest
 from tests.gateway.conftest import MODEL_NAME
 from shared import subjects
 from tests.gateway.helpers import sse_events
-from tests.services.stack import engine_statuses
+from tests.services.stack import engine_statuses, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -188,9 +191,8 @@ def test_abort_route_ends_a_running_stream(gateway, http):
     assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "abort"
 
 
-async def _read_chunks(client: httpx.AsyncClient, body: dict, stop_after: int | None = None,
-                       until: asyncio.Event | None = None) -> list[dict]:
-    """Stream a completion; hang up after `stop_after` chunks, or once `until` is set."""
+async def _read_chunks(client: httpx.AsyncClient, body: dict, stop_after: int | None = None) -> list[dict]:
+    """Stream a completion; hang up after `stop_after` chunks."""
     chunks = []
     async with client.stream("POST", C, json=body) as response:
         async for line in response.aiter_lines():
@@ -198,9 +200,17 @@ async def _read_chunks(client: httpx.AsyncClient, body: dict, stop_after: int | 
                 chunks.append(json.loads(line[6:]))
                 if stop_after is not None and len(chunks) >= stop_after:
                     return chunks  # leaving the block closes the connection mid-stream
-            if until is not None and until.is_set():
-                return chunks
     return chunks
+
+
+async def _until_engine(gateway, condition, timeout_s: float = 30.0) -> None:
+    """Wait until every engine replica's status satisfies `condition`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        statuses = await engine_statuses(gateway.nats_url, 0.6)
+        if statuses and all(condition(status) for status in statuses.values()):
+            return
+        assert time.monotonic() < deadline, f"engine status never got there: {statuses}"
 
 
 def test_clients_that_go_away_are_aborted_and_free_their_kv(gateway):
@@ -221,18 +231,33 @@ def test_clients_that_go_away_are_aborted_and_free_their_kv(gateway):
                 assert chunks[-1]["choices"][0]["finish_reason"] == "length"
                 assert sum(len(c["choices"]) for c in chunks) >= 2
 
-            # Queued: 4 long streams fill the engine (--max-num-seqs 4), a 5th waits and its client times out.
-            hang_up = asyncio.Event()
-            fillers = [asyncio.create_task(_read_chunks(client, {**body, "max_tokens": 400}, until=hang_up))
+            # Queued: 4 long streams fill the engine (--max-num-seqs 4), a 5th waits and its client goes away.
+            # The worker is stopped meanwhile so that no filler can finish first, however fast the engine.
+            fillers = [asyncio.create_task(_read_chunks(client, {**body, "max_tokens": 1000}))
                        for _ in range(4)]
-            await asyncio.sleep(0.5)
-            before = set(aborted)
-            with pytest.raises(httpx.ReadTimeout):
-                await client.post(C, json={**LONG, "max_tokens": 5}, timeout=1.0)
-            hang_up.set()
-            await asyncio.gather(*fillers)
-            await asyncio.sleep(1.0)
-            assert len(set(aborted) - before) >= 5, "the queued request and the 4 fillers were aborted"
+            await _until_engine(gateway, lambda s: s.num_running == 4)
+            workers = worker_pids(gateway)
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                before = set(aborted)
+                queued = asyncio.create_task(client.post(C, json={**LONG, "max_tokens": 5}))
+                deadline = time.monotonic() + 30
+                while "orca:admission_queue_len 1" not in (await client.get("/metrics")).text:
+                    assert time.monotonic() < deadline, "the 5th request was never queued"
+                    await asyncio.sleep(0.05)
+                assert not queued.done()
+                for task in (queued, *fillers):  # the clients hang up, the queued one while its request waits
+                    task.cancel()
+                await asyncio.gather(queued, *fillers, return_exceptions=True)
+                deadline = time.monotonic() + 10
+                while len(set(aborted) - before) < 5:
+                    assert time.monotonic() < deadline, "the queued request and the 4 fillers were aborted"
+                    await asyncio.sleep(0.05)
+            finally:
+                for pid in workers:
+                    os.kill(pid, signal.SIGCONT)
+            await _until_engine(gateway, lambda s: s.num_running == 0 and s.num_waiting == 0)
         await nc.close()
     asyncio.run(go())
     statuses = asyncio.run(engine_statuses(gateway.nats_url))

@@ -16,7 +16,8 @@ import pytest
 
 from services.jobs.service import ACK_WAIT_S
 from tests.reliability.helpers import greedy_outputs, job_results, publish_job, results_stored, run
-from tests.services.stack import ROOT, descendants, engine_statuses
+from shared.subjects import JOBS_CONSUMER, JOBS_STREAM
+from tests.services.stack import ROOT, descendants
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def test_a_jobs_consumer_killed_before_ack_loses_no_job_and_runs_none_twice(stac
     main_jobs = next(pid for pid, cmd in descendants(stack.serve.process.pid) if "services.jobs" in cmd)
     extra = subprocess.Popen([sys.executable, "-m", "services.jobs", "--nats-url", stack.nats_url], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    bodies = [{"id": f"crash-job-{i}-{time.time_ns()}", "prompt": f"x = {i}", "max_tokens": 120, "temperature": 0,
+    bodies = [{"id": f"crash-job-{i}-{time.time_ns()}", "prompt": f"x = {i}", "max_tokens": 800, "temperature": 0,
                "ignore_eos": True} for i in range(3)]
 
     async def go() -> tuple[dict, int, int, float]:
@@ -40,9 +41,12 @@ def test_a_jobs_consumer_killed_before_ack_loses_no_job_and_runs_none_twice(stac
             await asyncio.sleep(1.5)  # the stopped consumer's last pull request expires
             for body in bodies:
                 await publish_job(js, body, 30)
+            # The extra consumer holds them once JetStream counts them delivered and not acked; long
+            # jobs (800 tokens each) so that it cannot have finished them by the time this is seen.
             deadline = time.monotonic() + 60
-            while not any(s.num_running for s in (await engine_statuses(stack.nats_url, 0.5)).values()):
-                assert time.monotonic() < deadline, "the extra consumer never started the jobs"
+            while (await js.consumer_info(JOBS_STREAM, JOBS_CONSUMER)).num_ack_pending < len(bodies):
+                assert time.monotonic() < deadline, "the extra consumer never took the jobs"
+                await asyncio.sleep(0.02)
             extra.kill()  # dies holding the jobs, before any ack
             extra.wait(timeout=10)
             killed_at = time.monotonic()
