@@ -35,8 +35,10 @@ TORCH_OPS = KernelOps(
     apply_rotary=rotary.apply_rotary_torch,
 )
 
-# Token-wise ops stay torch on CPU (they already run at matmul speed there); attention is one C call.
-CPU_OPS = dataclasses.replace(TORCH_OPS, attention=attention_cpu.ragged_attention_cpu)
+# Token-wise ops stay torch on CPU (they already run at matmul speed there); attention is one C call,
+# and the tanh GELU torch's fused op.
+CPU_OPS = dataclasses.replace(TORCH_OPS, attention=attention_cpu.ragged_attention_cpu,
+                              gelu_tanh=activations.gelu_tanh_cpu)
 
 TRITON_OPS = KernelOps(
     write_kv=kv_cache.write_kv_triton,

@@ -42,3 +42,13 @@ def test_gelu_tanh_triton(shape, dtype):
     x[0, 0] = 30.0  # tanh saturation
     x[0, 1] = -30.0
     torch.testing.assert_close(gelu_tanh_triton(x), gelu_tanh_torch(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_gelu_tanh_cpu_equals_the_reference(rows):
+    from kernels.activations import gelu_tanh_cpu
+
+    x = torch.randn(rows, 1024) * 4
+    torch.testing.assert_close(gelu_tanh_cpu(x), gelu_tanh_torch(x), atol=1e-6, rtol=1e-5)
+    x64 = x.double()
+    assert torch.equal(gelu_tanh_cpu(x64), gelu_tanh_torch(x64)), "float64 keeps HF's composite exactly"
