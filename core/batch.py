@@ -45,8 +45,9 @@ class ScheduledRequest(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """True when this iteration reaches the request's last known token, so one is sampled."""
     new_token_ids: list[int] = []
     """Tokens generated since the runner last heard of this request (its inputs this iteration).
-    Sampled tokens always come back through the scheduler, so every pipeline stage learns them
-    the same way, not only the last stage that sampled them."""
+    Sampled tokens come back through the scheduler, so every pipeline stage learns them the same
+    way, not only the last stage that sampled them; except under async scheduling (one worker),
+    where the runner keeps what it samples (`SchedulerOutput.runner_keeps_samples`)."""
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -65,6 +66,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
     """Scheduled lanes of a static (lockstep) batch whose request has already finished: each
     computes one wasted token (its `new_token_ids` is filler, nothing is sampled) because a dense
     batch runs every lane until its longest member ends. Cost models charge them as decodes."""
+    runner_keeps_samples: bool = False
+    """Async scheduling: the runner appends the tokens it samples in this iteration to its own
+    request state, and the scheduler never sends them back. A request may then be scheduled in the
+    next iteration before this one's result is known: its input is the token sampled here."""
 
     @property
     def num_tokens(self) -> int:

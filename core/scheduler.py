@@ -22,6 +22,14 @@ scheduled in an iteration whose `update` has not come back is in flight: it is l
 later iterations until then, so it is never in two batches at once (Orca's rule), and it is
 never chosen as a preemption victim. With a pipeline of depth D each iteration takes at most
 1/D of the active requests, so D batches can be in flight, none of them empty.
+
+Async scheduling (one worker, no pipeline; vLLM V1's name) relaxes Orca's rule by exactly one
+step, so the engine can schedule iteration N+1 while the worker runs N: a request whose only
+iteration in flight samples its next token may run again in the next iteration, as one decode
+whose input is that token. The runner keeps the tokens it samples (it has them first), so the
+two iterations depend on each other only inside the worker, which runs them in order. A request
+that would end by length at N is not scheduled ahead; one that ends at N by EOS or a stop token
+computes one wasted token at N+1, whose result `update` ignores.
 """
 
 from __future__ import annotations
@@ -39,15 +47,18 @@ from shared.outputs import FinishReason, RequestOutput
 class Scheduler:
     @classmethod
     def from_config(cls, scheduler: SchedulerConfig, cache: CacheConfig, max_model_len: int,
-                    pipeline_depth: int = 1) -> Scheduler:
+                    pipeline_depth: int = 1, world_size: int = 1) -> Scheduler:
         """The scheduler every engine runs (in process, the engine master, the simulator), with each
-        default rule stated once: an iteration's token budget is max(max_model_len, 8192) unless set."""
-        return cls(make_policy(scheduler.policy),
-                   KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching),
+        default rule stated once: an iteration's token budget is max(max_model_len, 8192) unless set;
+        async scheduling applies where it can (one worker, no pipeline, not a lockstep policy)."""
+        policy = make_policy(scheduler.policy)
+        return cls(policy, KVCacheManager(cache.num_blocks, cache.block_size, cache.enable_prefix_caching),
                    max_num_seqs=scheduler.max_num_seqs,
                    max_num_batched_tokens=scheduler.max_num_batched_tokens or max(max_model_len, 8192),
                    max_model_len=max_model_len, enable_chunked_prefill=scheduler.enable_chunked_prefill,
-                   pipeline_depth=pipeline_depth)
+                   pipeline_depth=pipeline_depth,
+                   async_scheduling=(scheduler.async_scheduling and world_size == 1 and pipeline_depth == 1
+                                     and not policy.lockstep))
 
     def __init__(
         self,
@@ -59,12 +70,16 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = False,
         pipeline_depth: int = 1,
+        async_scheduling: bool = False,
     ) -> None:
         if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={max_num_batched_tokens} is below max_model_len={max_model_len}: "
                 "a long prompt could never run; raise it or enable chunked prefill"
             )
+        if async_scheduling and (pipeline_depth > 1 or policy.lockstep):
+            raise ValueError(f"async scheduling needs one worker with no pipeline and an iteration-level policy "
+                             f"(got pipeline depth {pipeline_depth}, policy {policy.name})")
         if policy.lockstep and kv_cache.enable_prefix_caching:
             raise ValueError(f"the {policy.name} policy has no prefix reuse (FasterTransformer had none): "
                              "disable prefix caching")
@@ -75,6 +90,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.pipeline_depth = pipeline_depth
+        self.async_scheduling = async_scheduling
         self.waiting: list[Request] = []  # sorted by queue_key
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
@@ -84,7 +100,8 @@ class Scheduler:
         self._admissions = 0
         self._finished_since_schedule: list[str] = []
         self._seen_by_runner: set[str] = set()
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, list[bool]] = {}
+        """Requests in iterations not yet updated: whether each of those iterations samples for it, in order."""
         self._held: dict[str, list[RequestOutput]] = {}  # lockstep: outputs returned when the batch ends
 
     # ---- requests in and out -------------------------------------------------------
@@ -148,6 +165,13 @@ class Scheduler:
         pending = self._decodes_then_prefills()
         active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
         most = -(-active // self.pipeline_depth)  # requests in this iteration
+        for request in self._schedulable_ahead():
+            if len(scheduled) == most or budget == 0:
+                break
+            new_blocks = self.kv_cache.allocate(request.request_id, request.num_tokens + 1)
+            if new_blocks is not None:  # never preempts for a step ahead: it can wait for its result
+                scheduled.append(ScheduledRequest(request.request_id, request.num_tokens, 1, new_blocks, samples=True))
+                budget -= 1
         while pending and len(scheduled) < most:
             request = pending.pop(0)
             num_new = self._tokens_this_iteration(request, budget)
@@ -179,9 +203,11 @@ class Scheduler:
             finished_request_ids=self._finished_since_schedule,
             preempted_request_ids=preempted,
             dead_request_ids=dead or [],
+            runner_keeps_samples=self.async_scheduling,
         )
         self._finished_since_schedule = []
-        self._in_flight.update(s.request_id for s in scheduled)
+        for item in scheduled:
+            self._in_flight.setdefault(item.request_id, []).append(item.samples)
         self._iteration += 1
         self._check_invariants(output)
         return output
@@ -189,7 +215,7 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         events: list[RequestOutput] = []
         for item in output.scheduled:
-            self._in_flight.discard(item.request_id)
+            self._applied(item.request_id)
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # ended (or preempted) while the iteration ran
@@ -199,6 +225,8 @@ class Scheduler:
             if token is None or request.finish_reason is not None:  # nothing sampled, or a dead lane
                 continue
             request.output_token_ids.append(token)
+            if output.runner_keeps_samples:
+                request.num_tokens_sent = request.num_tokens
             reason = self._stop_reason(request, token)
             if reason is not None:
                 self._retire(request, reason)
@@ -323,6 +351,29 @@ class Scheduler:
 
     # ---- helpers ----------------------------------------------------------------------
 
+    def _applied(self, request_id: str) -> None:
+        """The oldest iteration in flight holding this request has been updated."""
+        samples = self._in_flight.get(request_id)
+        if samples is None:
+            return
+        samples.pop(0)
+        if not samples:
+            del self._in_flight[request_id]
+
+    def _schedulable_ahead(self) -> list[Request]:
+        """Under async scheduling: running requests whose one iteration in flight samples their next
+        token and cannot end them by length, in admission order. Each can decode that token next."""
+        if not self.async_scheduling:
+            return []
+        ahead = []
+        for request in self.running:
+            if self._in_flight.get(request.request_id) != [True]:
+                continue
+            if (len(request.output_token_ids) + 1 < request.params.max_tokens
+                    and request.num_tokens + 1 < self.max_model_len):
+                ahead.append(request)
+        return ahead
+
     def _decodes_then_prefills(self) -> list[Request]:
         decodes: list[Request] = []
         prefills: list[Request] = []
@@ -390,7 +441,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
-        self._in_flight.discard(request.request_id)
+        self._in_flight.pop(request.request_id, None)
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_since_schedule.append(request.request_id)

@@ -94,7 +94,8 @@ class LLMEngine:
         self.max_batches_in_flight = max_batches_in_flight or self.executor.depth
         self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
         self.scheduler = Scheduler.from_config(config.scheduler, cache, self.max_model_len,
-                                               pipeline_depth=self.max_batches_in_flight)
+                                               pipeline_depth=self.max_batches_in_flight,
+                                               world_size=config.parallel.world_size)
         self.kv_cache = self.scheduler.kv_cache
         self.completions: dict[str, Completion] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

@@ -95,6 +95,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
         states = [self.requests[r] for r in batch.sampled_request_ids]
         tokens, logprobs = sample(logits, [s.sampling for s in states], self.generator)
+        if scheduler_output.runner_keeps_samples:  # async scheduling: the next step may already need them
+            for state, token in zip(states, tokens):
+                state.token_ids.append(token)
         return RunnerOutput(
             sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
             logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},

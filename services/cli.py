@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one iteration")
     g.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts across iterations")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule the next iteration while the worker runs this one (one worker; default on)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV cache capacity in token slots")
     g.add_argument("--block-size", type=int, default=16, help="KV slots per block (1 = Orca's per-slot accounting)")
@@ -45,7 +47,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enforce_eager=args.enforce_eager),
         scheduler=SchedulerConfig(policy=args.scheduler, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=args.enable_chunked_prefill),
+                                  enable_chunked_prefill=args.enable_chunked_prefill,
+                                  async_scheduling=args.async_scheduling),
         cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
                           enable_prefix_caching=args.enable_prefix_caching),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

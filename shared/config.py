@@ -27,6 +27,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Token budget of one iteration; None means max(max_model_len, 8192)."""
     enable_chunked_prefill: bool = False
     """Split prompts that do not fit the remaining budget into chunks (Sarathi-Serve)."""
+    async_scheduling: bool = True
+    """Schedule iteration N+1 while the worker runs N (vLLM V1's async scheduling): the worker feeds
+    back the tokens it samples itself, so the engine's control round trip leaves the critical path.
+    Applies with one worker and an iteration-level policy; ignored under -tp/-pp and `static`."""
 
     def __post_init__(self) -> None:
         if self.policy not in SCHEDULER_POLICIES:

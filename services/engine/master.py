@@ -8,6 +8,9 @@ iterations on the same event loop, so the scheduler is only ever touched by one 
 With pipeline parallelism the loop keeps up to one iteration per stage in flight, each with
 different requests (the scheduler leaves out requests in flight), and applies the results
 in order: while the last stage works on one batch, the first already works on the next.
+With one worker, async scheduling keeps two iterations in flight the same way: while the worker
+runs N, N+1 is already scheduled and queued behind it (its decodes take the tokens the worker
+samples at N), so the result round trip, the update and the publishing are off the critical path.
 
 Liveness: a separate task publishes the status every HEARTBEAT_S whatever the loop waits on, so
 a master that dies or hangs falls silent and everyone else counts it gone after STATUS_EXPIRY_S.
@@ -30,8 +33,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.batch import SchedulerOutput, StepResult
-from core.kv_cache import KVCacheManager
-from core.policies import make_policy
 from core.request import Request
 from core.scheduler import Scheduler
 from services.engine.telemetry import EngineTelemetry
@@ -94,6 +95,9 @@ class EngineMaster:
         self.ready = False
         self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
         self.pipeline_depth = config.parallel.pipeline_parallel_size
+        self.max_in_flight = 2 if self.scheduler.async_scheduling else self.pipeline_depth
+        """Iterations sent and not yet applied: one per pipeline stage, or under async scheduling the one
+        the worker runs and the next, queued behind it."""
         self.iteration_log: deque[tuple[int, list[str], list[int]]] = deque(maxlen=ITERATION_LOG_LENGTH)
         """The latest iterations: (iteration, its requests, the iterations in flight when it was sent)."""
         self._wake = asyncio.Event()
@@ -101,12 +105,9 @@ class EngineMaster:
         self.max_batches_in_flight = 0
 
     def _new_scheduler(self) -> Scheduler:
-        s, c = self.config.scheduler, self.config.cache
-        return Scheduler(make_policy(s.policy), KVCacheManager(c.num_blocks, c.block_size, c.enable_prefix_caching),
-                         max_num_seqs=s.max_num_seqs,
-                         max_num_batched_tokens=s.max_num_batched_tokens or max(self.max_model_len, 8192),
-                         max_model_len=self.max_model_len, enable_chunked_prefill=s.enable_chunked_prefill,
-                         pipeline_depth=self.config.parallel.pipeline_parallel_size)
+        parallel = self.config.parallel
+        return Scheduler.from_config(self.config.scheduler, self.config.cache, self.max_model_len,
+                                     pipeline_depth=parallel.pipeline_parallel_size, world_size=parallel.world_size)
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.engine_admit(self.replica), cb=self.on_admit)
@@ -160,7 +161,7 @@ class EngineMaster:
     async def step(self) -> None:
         """Fill the pipeline, then apply the oldest iteration's result (or, while the pipeline
         has room, return early when a new request arrives, so it can join at once)."""
-        while len(self._in_flight) < self.pipeline_depth:
+        while len(self._in_flight) < self.max_in_flight:
             started = time.perf_counter()
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.is_empty:
@@ -170,7 +171,7 @@ class EngineMaster:
             await self._idle_briefly()  # requests wait for room that in-flight work will free
             return
         oldest = self._in_flight[0]
-        room = len(self._in_flight) < self.pipeline_depth
+        room = len(self._in_flight) < self.max_in_flight
         result = await self._wait(oldest, interruptible=room)
         if result is None:
             return
