@@ -22,7 +22,7 @@ from typing import Protocol
 
 from core.batch import RunnerOutput, SchedulerOutput
 from model.arch import ArchConfig
-from model.distributed import ParallelRank
+from shared.parallel import ParallelRank
 from model.tensor_parallel import check_divisible
 from shared.codec import Codec
 from shared.config import EngineConfig

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from model.arch import ArchConfig
-from model.distributed import ParallelRank
+from shared.parallel import ParallelRank
 
 # top-level modules by role, per family
 FIRST_STAGE = {"llama": ("embed_tokens",), "gpt2": ("wte", "wpe")}

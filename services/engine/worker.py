@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from core.batch import SchedulerOutput, StepResult
-from model.distributed import ParallelRank
+from shared.parallel import ParallelRank
 from shared import env, subjects
 from shared.codec import Codec
 from shared.config import EngineConfig
