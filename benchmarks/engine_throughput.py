@@ -123,6 +123,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()  # the runner drops to one for small iterations, so read it now
     workload = orca_paper_workload(args.num_requests, args.seed, input_range=args.input_len,
                                    output_range=args.output_len)
     if args.write_workload:
@@ -147,7 +148,7 @@ def main() -> None:
         "workload": f"{args.num_requests} requests, input U[{lo_in},{hi_in}], output U[{lo_out},{hi_out}], EOS ignored",
         "orca_tokens_per_s": round(orca["tokens_per_s"], 1),
         "engine_seconds": round(orca["seconds"], 3),
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
         "results": results,
     }
