@@ -100,8 +100,10 @@ class Scheduler:
         self._admissions = 0
         self._finished_since_schedule: list[str] = []
         self._seen_by_runner: set[str] = set()
-        self._in_flight: dict[str, list[bool]] = {}
-        """Requests in iterations not yet updated: whether each of those iterations samples for it, in order."""
+        self._in_flight: dict[str, list[tuple[int, bool]]] = {}
+        """Requests in iterations not yet updated: (iteration, whether it samples for the request), oldest
+        first. A result is applied only to the request instance whose oldest entry it is: a request that
+        ended, or was replaced by a newer copy with the same id, while an iteration ran is left alone."""
         self._held: dict[str, list[RequestOutput]] = {}  # lockstep: outputs returned when the batch ends
 
     # ---- requests in and out -------------------------------------------------------
@@ -207,7 +209,7 @@ class Scheduler:
         )
         self._finished_since_schedule = []
         for item in scheduled:
-            self._in_flight.setdefault(item.request_id, []).append(item.samples)
+            self._in_flight.setdefault(item.request_id, []).append((output.iteration, item.samples))
         self._iteration += 1
         self._check_invariants(output)
         return output
@@ -215,7 +217,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
         events: list[RequestOutput] = []
         for item in output.scheduled:
-            self._applied(item.request_id)
+            if not self._applied(item.request_id, output.iteration):
+                continue  # ended (or replaced by a newer copy of the same id) while the iteration ran
             request = self.requests.get(item.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # ended (or preempted) while the iteration ran
@@ -351,14 +354,16 @@ class Scheduler:
 
     # ---- helpers ----------------------------------------------------------------------
 
-    def _applied(self, request_id: str) -> None:
-        """The oldest iteration in flight holding this request has been updated."""
-        samples = self._in_flight.get(request_id)
-        if samples is None:
-            return
-        samples.pop(0)
-        if not samples:
+    def _applied(self, request_id: str, iteration: int) -> bool:
+        """This iteration's result for the request is being applied; False if the iteration is not the
+        oldest one in flight for the request instance now holding that id (the one it ran for is gone)."""
+        entries = self._in_flight.get(request_id)
+        if not entries or entries[0][0] != iteration:
+            return False
+        entries.pop(0)
+        if not entries:
             del self._in_flight[request_id]
+        return True
 
     def _schedulable_ahead(self) -> list[Request]:
         """Under async scheduling: running requests whose one iteration in flight samples their next
@@ -367,7 +372,8 @@ class Scheduler:
             return []
         ahead = []
         for request in self.running:
-            if self._in_flight.get(request.request_id) != [True]:
+            entries = self._in_flight.get(request.request_id)
+            if entries is None or len(entries) != 1 or not entries[0][1]:
                 continue
             if (len(request.output_token_ids) + 1 < request.params.max_tokens
                     and request.num_tokens + 1 < self.max_model_len):

@@ -14,6 +14,7 @@ from core.batch import RunnerOutput, SchedulerOutput
 from core.kv_cache import KVCacheManager
 from core.policies import make_policy
 from core.scheduler import Scheduler
+from shared.outputs import FinishReason
 from tests.core.helpers import EOS, make_request
 
 VOCAB = 50
@@ -84,6 +85,10 @@ def drive(scheduler: Scheduler, worker: FakeWorker, in_flight: int) -> tuple[dic
         for event in scheduler.update(out, result):
             outputs.setdefault(event.request_id, []).extend(event.new_token_ids)
     raise AssertionError("did not finish")
+
+
+def s_prompt(worker: FakeWorker, rid: str) -> list[int]:
+    return [3 + (sum(map(ord, rid)) + i) % (VOCAB - 3) for i in range(worker.prompt_lens[rid])]
 
 
 def add(scheduler: Scheduler, worker: FakeWorker, rid: str, prompt_len: int, max_tokens: int,
@@ -193,3 +198,23 @@ def test_async_gives_the_tokens_of_synchronous_scheduling_and_frees_all_kv(reque
         assert s.kv_cache.num_used_blocks == 0
         results.append(outputs)
     assert results[0] == results[1]
+
+
+def test_a_result_of_a_replaced_copy_never_reaches_the_new_copy():
+    """The engine master replaces a request by a newer copy with the same id (its tokenizer resumed it)
+    while an iteration holding the old copy runs; under async scheduling the new copy can already be in
+    the next iteration. The old iteration's result must not be applied to the new copy."""
+    s, worker = make_async(), FakeWorker()
+    add(s, worker, "a", 4, 20)
+    old = s.schedule()  # the old copy's prompt
+    s.finish("a", FinishReason.ABORT)  # replaced: no event, as EngineMaster._add does
+    resumed = make_request("a", 4, 20, prompt=s_prompt(worker, "a"))
+    resumed.output_token_ids = [11, 12]  # the tokens its client already has
+    s.add_request(resumed)
+    new = s.schedule()  # the new copy's prompt and its two tokens, beside the old iteration in flight
+    assert [n.request_id for n in new.new_requests] == ["a"] and "a" in new.finished_request_ids
+    assert s.update(old, RunnerOutput(sampled_token_ids={"a": 33})) == []
+    assert resumed.output_token_ids == [11, 12] and resumed.num_computed_tokens == 0
+    [event] = s.update(new, RunnerOutput(sampled_token_ids={"a": 44}))
+    assert event.new_token_ids == (44,) and resumed.output_token_ids == [11, 12, 44]
+    assert resumed.num_computed_tokens == 6
