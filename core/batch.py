@@ -20,6 +20,7 @@ import msgspec
 
 from shared.outputs import TokenLogprob
 from shared.sampling import SamplingParams
+from shared.structured import StructuredOutputs
 
 
 class NewRequestData(msgspec.Struct, frozen=True, array_like=True):
@@ -70,6 +71,12 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
     """Async scheduling: the runner appends the tokens it samples in this iteration to its own
     request state, and the scheduler never sends them back. A request may then be scheduled in the
     next iteration before this one's result is known: its input is the token sampled here."""
+    grammars: dict[str, StructuredOutputs] = msgspec.field(default_factory=dict)
+    """Structured-output requests that arrived since the last step: the output rank starts compiling
+    their grammars now, off the loop, and says in a later `RunnerOutput.grammars_ready` when each is."""
+    awaiting_grammars: bool = False
+    """Some request waits for its grammar. A step that schedules nothing else is sent only to hear of
+    it: the output rank waits a moment for a compile to finish before it answers."""
 
     @property
     def num_tokens(self) -> int:
@@ -89,12 +96,19 @@ class SchedulerOutput(msgspec.Struct, frozen=True, array_like=True):
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to send the workers."""
+        return not self.scheduled and not self.grammars and not self.awaiting_grammars
 
 
 class RunnerOutput(msgspec.Struct, frozen=True, array_like=True):
     sampled_token_ids: dict[str, int] = msgspec.field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = msgspec.field(default_factory=dict)
+    grammars_ready: list[str] = []
+    """Requests whose grammar has compiled on the output rank: they may be admitted."""
+    grammar_errors: dict[str, str] = msgspec.field(default_factory=dict)
+    """Requests whose grammar failed on the output rank (compile, or a refused token): they end in error."""
+    grammar_done: list[str] = []
+    """Requests whose grammar took its last token this iteration: they are complete."""
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True):

@@ -34,6 +34,8 @@ class Request:
     """Tokens the runner has been told of (in NewRequestData or ScheduledRequest.new_token_ids)."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    grammar_ready: bool = True
+    """False while a structured-output request's grammar compiles: it waits, and is not admitted."""
 
     @property
     def num_prompt_tokens(self) -> int:

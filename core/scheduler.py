@@ -30,6 +30,11 @@ whose input is that token. The runner keeps the tokens it samples (it has them f
 two iterations depend on each other only inside the worker, which runs them in order. A request
 that would end by length at N is not scheduled ahead; one that ends at N by EOS or a stop token
 computes one wasted token at N+1, whose result `update` ignores.
+
+A structured-output request waits until its grammar has compiled on the output rank: its grammar is
+ordered with the next step (`SchedulerOutput.grammars`), and it is admitted once a result says it is
+ready. Requests behind it are admitted meanwhile (a compile never holds up the queue); with nothing
+else to run, the scheduler sends a step that only waits for the compile.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from core.policies import AdmissionPolicy, make_policy
 from core.request import Request, RequestStatus, queue_key, victim_key
 from shared.config import CacheConfig, SchedulerConfig
 from shared.outputs import FinishReason, RequestOutput
+from shared.structured import StructuredOutputs
 
 
 class Scheduler:
@@ -105,6 +111,9 @@ class Scheduler:
         first. A result is applied only to the request instance whose oldest entry it is: a request that
         ended, or was replaced by a newer copy with the same id, while an iteration ran is left alone."""
         self._held: dict[str, list[RequestOutput]] = {}  # lockstep: outputs returned when the batch ends
+        self._grammar_orders: dict[str, StructuredOutputs] = {}  # to send with the next step
+        self._grammars_compiling: set[str] = set()  # ordered, not yet reported ready
+        self._grammar_poll: int | None = None  # the iteration of a step sent only to hear of compiles
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -127,6 +136,10 @@ class Scheduler:
         request.arrival_order = self._arrivals
         self._arrivals += 1
         request.status = RequestStatus.WAITING
+        structured = request.params.structured_outputs
+        request.grammar_ready = structured is None
+        if structured is not None:
+            self._grammar_orders[request.request_id] = structured
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=queue_key)
 
@@ -158,8 +171,14 @@ class Scheduler:
     # ---- the two verbs --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.policy.lockstep:
-            return self._schedule_lockstep()
+        output = self._schedule_lockstep() if self.policy.lockstep else self._schedule_iterations()
+        if (output.is_empty and (self._grammar_orders or self._grammars_compiling)
+                and not self._in_flight and self._grammar_poll is None):
+            output = self._emit([], [])  # only grammars to order, or to wait for
+            self._grammar_poll = output.iteration
+        return output
+
+    def _schedule_iterations(self) -> SchedulerOutput:
         num_running_at_start = len(self.running)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -206,7 +225,11 @@ class Scheduler:
             preempted_request_ids=preempted,
             dead_request_ids=dead or [],
             runner_keeps_samples=self.async_scheduling,
+            grammars=self._grammar_orders,
+            awaiting_grammars=bool(self._grammars_compiling) or bool(self._grammar_orders),
         )
+        self._grammars_compiling.update(self._grammar_orders)
+        self._grammar_orders = {}
         self._finished_since_schedule = []
         for item in scheduled:
             self._in_flight.setdefault(item.request_id, []).append((output.iteration, item.samples))
@@ -215,7 +238,8 @@ class Scheduler:
         return output
 
     def update(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
-        events: list[RequestOutput] = []
+        events = self._grammar_news(output, result)
+        grammar_done = set(result.grammar_done)
         for item in output.scheduled:
             if not self._applied(item.request_id, output.iteration):
                 continue  # ended (or replaced by a newer copy of the same id) while the iteration ran
@@ -230,7 +254,7 @@ class Scheduler:
             request.output_token_ids.append(token)
             if output.runner_keeps_samples:
                 request.num_tokens_sent = request.num_tokens
-            reason = self._stop_reason(request, token)
+            reason = FinishReason.STOP if item.request_id in grammar_done else self._stop_reason(request, token)
             if reason is not None:
                 self._retire(request, reason)
             logprob = result.logprobs.get(item.request_id)
@@ -238,6 +262,23 @@ class Scheduler:
             (self._held.setdefault(item.request_id, []) if self.policy.lockstep else events).append(event)
         if self.policy.lockstep and self.running and all(r.finish_reason is not None for r in self.running):
             events += self._end_batch()
+        return events
+
+    def _grammar_news(self, output: SchedulerOutput, result: RunnerOutput) -> list[RequestOutput]:
+        """Compiles that finished, and requests whose grammar failed (they end with the error)."""
+        if output.iteration == self._grammar_poll:
+            self._grammar_poll = None
+        for request_id in result.grammars_ready:
+            self._grammars_compiling.discard(request_id)
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.grammar_ready = True
+        events = []
+        for request_id, error in result.grammar_errors.items():
+            self._grammars_compiling.discard(request_id)
+            event = self.finish(request_id, FinishReason.ERROR, f"structured output: {error}")
+            if event is not None:
+                events.append(event)
         return events
 
     # ---- static (lockstep) batches ------------------------------------------------------
@@ -296,11 +337,15 @@ class Scheduler:
     def _admit(self, most: int) -> list[Request]:
         """From the head of the waiting queue while the policy's reservation fits."""
         admitted: list[Request] = []
-        while self.waiting and len(self.running) < self.max_num_seqs and len(admitted) < most:
-            request = self.waiting[0]
+        position = 0  # requests whose grammar is compiling are passed over, not waited for
+        while position < len(self.waiting) and len(self.running) < self.max_num_seqs and len(admitted) < most:
+            request = self.waiting[position]
+            if not request.grammar_ready:
+                position += 1
+                continue
             if not self._reserve(request):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(position)
             request.status = RequestStatus.RUNNING
             request.admitted_order = self._admissions
             self._admissions += 1
@@ -338,6 +383,10 @@ class Scheduler:
         waiting queue with their generated tokens, to resume by recompute."""
         victims = list(self.running)
         self._in_flight.clear()  # the iterations in flight are lost with the KV
+        self._grammar_poll = None
+        for request_id in self._grammars_compiling:  # the compiles are lost with the worker: order again
+            self._grammar_orders[request_id] = self.requests[request_id].params.structured_outputs
+        self._grammars_compiling.clear()
         for request in victims:
             self._preempt(request)
         return [r.request_id for r in victims]
@@ -448,6 +497,8 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
         self._in_flight.pop(request.request_id, None)
+        self._grammar_orders.pop(request.request_id, None)
+        self._grammars_compiling.discard(request.request_id)
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_since_schedule.append(request.request_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import torch
 
@@ -21,7 +22,9 @@ from model.loader import load_model, resolve_dtype
 from model.compiled import CompiledForward, warm_up
 from model.cpu_linear import can_pack, pack_linears
 from model.metadata import AttentionMetadata
+from model.arch import eos_token_ids
 from model.sampler import SamplingState, sample
+from model.structured import POLL_WAIT_S, GrammarMatchers
 from model.tensor_parallel import local_kv_heads
 
 
@@ -68,6 +71,9 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(num_blocks + compile_step, block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
+        # Only the rank that samples keeps grammars (structured outputs).
+        self.grammars = (GrammarMatchers(model_dir, self.arch.vocab_size, eos_token_ids(model_dir))
+                         if self.rank.is_output_rank else None)
         # One worker on the CPU picks its thread count per iteration (SMALL_STEP_TOKENS); others keep theirs.
         single_cpu_worker = self.device.type == "cpu" and self.groups.rank.world_size == 1
         self.max_threads = torch.get_num_threads() if single_cpu_worker else 1
@@ -93,26 +99,47 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
         """The iteration's output on the output rank; None on every other rank."""
-        self._update_states(scheduler_output)
-        if scheduler_output.is_empty:
-            return RunnerOutput() if self.rank.is_output_rank else None
+        grammar_errors = self._update_states(scheduler_output)
+        if not scheduler_output.scheduled:
+            return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
         self._pick_threads(scheduler_output.num_tokens)
         batch = self._prepare_inputs(scheduler_output.scheduled)
         hidden = self._run_stage(batch)  # (T, H)
         if hidden is None:
             return None
-        if not batch.sampled_request_ids:
-            return RunnerOutput()  # only partial prefill chunks this iteration
+        if not batch.sampled_request_ids:  # only partial prefill chunks this iteration
+            return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
+        grammars = self.grammars
+        if grammars is not None and grammars.matchers:
+            grammars.mask(logits, batch.sampled_request_ids)
         states = [self.requests[r] for r in batch.sampled_request_ids]
         tokens, logprobs = sample(logits, [s.sampling for s in states], self.generator)
+        done: list[str] = []
+        if grammars is not None and grammars.matchers:
+            done, refused = grammars.advance(batch.sampled_request_ids, tokens)
+            grammar_errors.update(refused)
         if scheduler_output.runner_keeps_samples:  # async scheduling: the next step may already need them
             for state, token in zip(states, tokens):
                 state.token_ids.append(token)
-        return RunnerOutput(
+        return self._with_grammar_news(RunnerOutput(
             sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
             logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},
-        )
+            grammar_errors=grammar_errors, grammar_done=done,
+        ), scheduler_output)
+
+    def _with_grammar_news(self, output: RunnerOutput, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
+        """The output rank's answer, with the compiles that finished (waiting a moment for one on a step
+        sent only for that); None on every other rank."""
+        if not self.rank.is_output_rank:
+            return None
+        if self.grammars is None or not (scheduler_output.awaiting_grammars or scheduler_output.grammars):
+            return output
+        ready, failed = self.grammars.report(POLL_WAIT_S if not scheduler_output.scheduled else 0.0)
+        if not ready and not failed:
+            return output
+        return msgspec.structs.replace(output, grammars_ready=ready,
+                                       grammar_errors={**output.grammar_errors, **failed})
 
     def _pick_threads(self, num_tokens: int) -> None:
         if self.max_threads > 1:
@@ -138,18 +165,32 @@ class ModelRunner:
             return None
         return model.final_norm(h, residual, self.ops)
 
-    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+    def _update_states(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
+        """Apply the step's bookkeeping; the requests whose grammar could not be opened, with why."""
+        grammars = self.grammars
         for request_id in scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids:
             self.requests.pop(request_id, None)
+            if grammars is not None:
+                grammars.close(request_id)
+        if grammars is not None and scheduler_output.grammars:
+            grammars.order(scheduler_output.grammars)
+        errors: dict[str, str] = {}
         new_ids = set()
         for new in scheduler_output.new_requests:
             self.requests[new.request_id] = self._new_state(new)
             new_ids.add(new.request_id)
+            if grammars is not None and new.params.structured_outputs is not None:
+                try:
+                    grammars.open(new.request_id, new.params.structured_outputs,
+                                  new.token_ids[new.num_prompt_tokens:])
+                except ValueError as exc:
+                    errors[new.request_id] = str(exc)
         for item in scheduler_output.scheduled:
             if item.request_id not in new_ids:
                 state = self.requests[item.request_id]
                 state.token_ids.extend(item.new_token_ids)
                 state.block_ids.extend(item.new_block_ids)
+        return errors
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         generator = None

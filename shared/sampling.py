@@ -10,6 +10,8 @@ import math
 
 import msgspec
 
+from shared.structured import StructuredOutputs
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -33,6 +35,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured_outputs: StructuredOutputs | None = None
+    """What the output must match (a JSON schema, a regex, ...): the engine masks every other token."""
 
     @property
     def is_greedy(self) -> bool:
@@ -70,9 +74,12 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        params = self
         if self.top_k == -1:
-            return msgspec.structs.replace(self, top_k=0)
-        return self
+            params = msgspec.structs.replace(params, top_k=0)
+        if self.structured_outputs is not None:
+            params = msgspec.structs.replace(params, structured_outputs=self.structured_outputs.validate())
+        return params
 
 
 def _finite(value: object) -> bool:

@@ -90,3 +90,36 @@ def test_a_split_the_model_does_not_allow_is_refused_before_any_worker_starts(de
         engine(demo_model, 3, 1)
     with pytest.raises(ValueError, match="pipeline_parallel_size=5 exceeds the model's 4 layers"):
         engine(demo_model, 1, 5)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_constrained_outputs_do_not_depend_on_the_split(demo_model, tp, pp):
+    """The grammar lives on the output rank (last stage, TP rank 0): its mask gives the same greedy
+    tokens, and every output still matches, however the model is split."""
+    import jsonschema
+
+    from shared.structured import StructuredOutputs
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "s": {"type": "string", "maxLength": 6}}, "required": ["n", "s"]}
+    specs = [StructuredOutputs(json=schema), StructuredOutputs(regex=r"[a-z]{2,6}"), StructuredOutputs(choice=["x", "y"])]
+
+    def run(tp: int, pp: int) -> dict[str, str]:
+        e = engine(demo_model, tp, pp)
+        try:
+            for i, prompt in enumerate(PROMPTS):
+                e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=60, temperature=0.0,
+                                                              structured_outputs=specs[i % len(specs)]))
+            texts: dict[str, str] = {}
+            while e.has_unfinished:
+                for delta in e.step():
+                    if delta.finished:
+                        texts[delta.completion.request_id] = delta.completion.text
+        finally:
+            e.close()
+        return texts
+
+    split = run(tp, pp)
+    assert split == run(1, 1)
+    for i in range(0, len(PROMPTS), 3):
+        jsonschema.validate(json.loads(split[f"r{i}"]), schema)

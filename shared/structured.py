@@ -1,0 +1,135 @@
+"""Structured outputs: what a request's tokens must match (a JSON schema, any JSON object, a regex,
+one of several strings, or a grammar), as it travels, and its llguidance grammar.
+
+vLLM's `structured_outputs` names. Checked where requests enter (gateway, NATS tokenizer, `orca
+generate`, the in-process engine), so a bad schema is the caller's error and never reaches an engine;
+the engine's output rank compiles the same grammar text (model/structured.py). llguidance, not
+xgrammar: both were measured here (benchmarks/README.md, "Structured outputs"), and llguidance checks a
+grammar without a tokenizer and without importing torch, which the control plane must not.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import msgspec
+
+JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
+"""Compact JSON (`{"a":1}`, as OpenAI's models write it): free whitespace would let a model pad forever.
+Not lenient: a keyword llguidance cannot enforce is an error, never silently ignored."""
+
+
+class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Exactly one field is set. `json` is a JSON schema, as an object or as JSON text."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    """Any JSON object (OpenAI's `response_format: {"type": "json_object"}`)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """A Lark grammar (llguidance's syntax) or a GBNF one (llama.cpp's, as vLLM's `grammar` takes)."""
+
+    def kind(self) -> str:
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, json_object, regex, choice or grammar "
+                             f"(got {', '.join(set_) or 'none'})")
+        return set_[0]
+
+    def normalized(self) -> StructuredOutputs:
+        """The schema as compact JSON text, its keys in the order given (properties are written in that order)."""
+        if isinstance(self.json, dict):
+            return msgspec.structs.replace(self, json=json.dumps(self.json, separators=(",", ":")))
+        return self
+
+    def validate(self) -> StructuredOutputs:
+        """Normalized and checked; ValueError says what is wrong (never reaches an engine)."""
+        spec = self.normalized()
+        error = _grammar_error(spec.grammar_text())
+        if error:
+            raise ValueError(f"invalid structured_outputs.{spec.kind()}: {error}")
+        return spec
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (ValueError when the input cannot even be read)."""
+        spec = self.normalized()
+        return _grammar_text(spec.kind(), spec.json, spec.regex, tuple(spec.choice or ()), spec.grammar)
+
+
+class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format`: text, json_object or json_schema."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutputs | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True)
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            return StructuredOutputs(json=self.json_schema.schema)
+        raise ValueError(f"response_format.type={self.type!r} must be text, json_object or json_schema")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of the schema in which an object that lists its properties and says nothing of others allows
+    no others (OpenAI's strict mode, xgrammar's default): else a model may invent keys without end."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_objects(value) if key not in ("enum", "const", "default", "examples") else value
+           for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar_text(kind: str, schema: str | dict | None, regex: str | None, choice: tuple[str, ...],
+                  grammar: str | None) -> str:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if kind == "json":
+        try:
+            parsed = json.loads(schema) if isinstance(schema, str) else schema
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"invalid structured_outputs.json: not JSON ({exc})") from None
+        if not isinstance(parsed, (dict, bool)):
+            raise ValueError("invalid structured_outputs.json: a JSON schema is an object")
+        return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(parsed)), defaults=JSON_OPTIONS)
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(regex or "")
+    if kind == "choice":
+        if not choice or not all(choice):
+            raise ValueError("invalid structured_outputs.choice: give one or more non-empty strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choice))
+    try:
+        return LLMatcher.grammar_from_lark(any_to_lark(grammar or ""))
+    except Exception as exc:  # noqa: BLE001 - the GBNF converter raises its own error types
+        raise ValueError(f"invalid structured_outputs.grammar: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _grammar_error(grammar: str) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(grammar)
