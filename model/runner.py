@@ -104,19 +104,21 @@ class ModelRunner:
             return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
         self._pick_threads(scheduler_output.num_tokens)
         batch = self._prepare_inputs(scheduler_output.scheduled)
+        grammars = self.grammars
+        constrained = grammars is not None and bool(grammars.matchers) and bool(batch.sampled_request_ids)
+        mask = grammars.start_mask(batch.sampled_request_ids) if constrained else None  # beside the forward pass
         hidden = self._run_stage(batch)  # (T, H)
         if hidden is None:
             return None
         if not batch.sampled_request_ids:  # only partial prefill chunks this iteration
             return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
-        grammars = self.grammars
-        if grammars is not None and grammars.matchers:
-            grammars.mask(logits, batch.sampled_request_ids)
+        if constrained:
+            grammars.mask(logits, batch.sampled_request_ids, mask)
         states = [self.requests[r] for r in batch.sampled_request_ids]
         tokens, logprobs = sample(logits, [s.sampling for s in states], self.generator)
         done: list[str] = []
-        if grammars is not None and grammars.matchers:
+        if constrained:
             done, refused = grammars.advance(batch.sampled_request_ids, tokens)
             grammar_errors.update(refused)
         if scheduler_output.runner_keeps_samples:  # async scheduling: the next step may already need them

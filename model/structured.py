@@ -6,7 +6,9 @@ admits it only once this rank reports it compiled (`RunnerOutput.grammars_ready`
 never stalls a batch. Compiled grammars are kept by grammar text: a schema seen before is ready at once,
 and a request preempted by recompute gets its matcher back by replaying its generated tokens.
 A matcher advances with each token sampled for its request; when its grammar can take no more
-tokens the request is done (`RunnerOutput.grammar_done`).
+tokens the request is done (`RunnerOutput.grammar_done`). The mask of an iteration depends only on
+tokens already sampled, so it is filled on its own thread while the forward pass runs (`start_mask`),
+as vLLM fills it while the GPU works: llguidance drops the GIL while it computes a mask.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from shared.structured import StructuredOutputs
@@ -40,6 +43,7 @@ class GrammarMatchers:
         self._lock = threading.Lock()
         self._pending: dict[str, Future[LLMatcher]] = {}  # request id -> its compile
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     # ---- compiling, off the loop ---------------------------------------------------------
 
@@ -104,19 +108,30 @@ class GrammarMatchers:
         self.matchers.pop(request_id, None)
         self._pending.pop(request_id, None)
 
-    def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
-        """Set to -inf, in place, every token a row's grammar does not allow next; rows without a grammar
-        (or whose grammar has ended: a step scheduled ahead) are left as they are."""
+    def start_mask(self, request_ids: list[str]) -> Future[Mask | None]:
+        """Begin filling the mask of the rows `request_ids` will sample (the next `mask` applies it)."""
+        return self._mask_thread.submit(self.fill, request_ids)
+
+    def fill(self, request_ids: list[str]) -> Mask | None:
+        """The rows with a grammar that has not ended (one that has: a step scheduled ahead) and their
+        bitmask; None when no row has one."""
         from llguidance.torch import fill_next_token_bitmask
 
         rows = [row for row, rid in enumerate(request_ids)
                 if rid in self.matchers and not self.matchers[rid].is_stopped()]
         if not rows:
-            return
-        bitmask = torch.full(((len(rows)), -(-logits.shape[1] // 32)), -1, dtype=torch.int32)
+            return None
+        bitmask = torch.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
         for i, row in enumerate(rows):
             fill_next_token_bitmask(self.matchers[request_ids[row]], bitmask, i)
-        apply_token_bitmask(logits, rows, bitmask)
+        return rows, bitmask
+
+    def mask(self, logits: torch.Tensor, request_ids: list[str], filled: Future[Mask | None] | None = None) -> None:
+        """Set to -inf, in place, every token a row's grammar does not allow next; other rows are left as
+        they are. `filled`: the mask `start_mask` began for these rows."""
+        mask = filled.result() if filled is not None else self.fill(request_ids)
+        if mask is not None:
+            apply_token_bitmask(logits, *mask)
 
     def advance(self, request_ids: list[str], tokens: list[int]) -> tuple[list[str], dict[str, str]]:
         """Each constrained request takes its sampled token: the requests whose grammar has now ended,
@@ -133,12 +148,20 @@ class GrammarMatchers:
         return done, errors
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+Mask = tuple[list[int], torch.Tensor]
+"""Rows of an iteration's logits, and their bitmask."""
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """logits (N, V) of any float dtype and device; bitmask (len(rows), ceil(V/32)) int32, bit j of word w
-    allowing token 32w + j (llguidance's and xgrammar's layout)."""
-    allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    """logits (N, V) of any float dtype and device; bitmask (len(rows), ceil(V/32)) int32 on the CPU, bit j
+    of word w allowing token 32w + j (llguidance's and xgrammar's layout). Unpacked by numpy (little-endian
+    words are little-endian bytes): a tenth of the time of shifting each bit out in torch here."""
+    vocab = logits.shape[1]
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
+    refused = torch.from_numpy(bits == 0).to(logits.device)
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if len(rows) == logits.shape[0]:  # every row constrained: no gather (torch.where beat masked_fill_ here)
+        torch.where(refused, minus_inf, logits, out=logits)
+        return
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[index] = torch.where(refused, minus_inf, logits[index])

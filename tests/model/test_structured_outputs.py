@@ -180,3 +180,11 @@ def test_the_bitmask_allows_exactly_its_set_bits():
             finite = set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
             assert finite == tokens
         assert torch.equal(logits[1], before[1]), "a row without a grammar is left alone"
+
+
+def test_the_bitmask_applies_alike_when_every_row_is_constrained():
+    bitmask = torch.tensor([[0b1011, 0], [-1, 1]], dtype=torch.int32)
+    logits = torch.zeros(2, 40, dtype=torch.float64)
+    apply_token_bitmask(logits, [0, 1], bitmask)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 1, 3]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(33))
