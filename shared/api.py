@@ -7,11 +7,19 @@ import msgspec
 
 from shared.outputs import TokenLogprob
 from shared.sampling import SamplingParams
+from shared.structured import ResponseFormat, StructuredOutputs
+from shared.tools import Tool, ToolCall, ToolChoice, check_tools, tool_constraint
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
-    content: str
+    content: str | None = None
+    """None only where OpenAI allows it: an assistant message that made tool calls."""
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's calls, as the final event of a request with tools gave them."""
+    tool_call_id: str | None = None
+    """A `tool` message: the call whose result `content` is."""
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -39,6 +47,13 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Resending a request whose tokenizer died (no tokenizer answers `orca.v1.generate.held` for
     its id): the token ids already received. The stream continues after them, to the same reply
     subject, as if it had never stopped (README, "When things fail")."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's names: exactly one of json (a schema), json_object, regex, choice or grammar."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}."""
+    tools: list[Tool] | None = None
+    """With messages: OpenAI's tools, offered through the chat template; the final event has `tool_calls`."""
+    tool_choice: ToolChoice | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -52,6 +67,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("prompt is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if (self.tools or self.tool_choice is not None) and self.messages is None:
+            raise ValueError("tools and tool_choice need messages (the chat template offers the tools)")
+        check_tools(self.tools, self.tool_choice)
 
     def sampling_params(self) -> SamplingParams:
         """Validated sampling parameters; ValueError names the bad field."""
@@ -61,7 +79,18 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            structured_outputs=self.constraint(),
         ).validate()
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The one thing the output must match, from structured_outputs, response_format or tool_choice."""
+        given = {name: c for name, c in (
+            ("structured_outputs", self.structured_outputs),
+            ("response_format", self.response_format.structured() if self.response_format else None),
+            ("tool_choice", tool_constraint(self.tools, self.tool_choice))) if c is not None}
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)} both constrain the output; give one")
+        return next(iter(given.values()), None)
 
 
 _decoder = msgspec.json.Decoder(GenerateRequest)
@@ -113,6 +142,9 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """On the final event only."""
     logprobs: list[EventLogprob] | None = None
     """One per token in `token_ids`, when the request asked for logprobs."""
+    tool_calls: list[ToolCall] | None = None
+    """On the final event of a request with tools, when the model called any: parsed from the whole
+    output (the events' `text`, joined, is that output as the model wrote it)."""
 
 
 class AbortRequest(msgspec.Struct, frozen=True):

@@ -102,6 +102,10 @@ def test_streamed_greedy_output_equals_orca_generate(stack, demo_model):
     (b'{"id": "z", "prompt": "hi", "max_tokens": 0}', "max_tokens"),
     (b'{"id": "s", "prompt": "hi", "stop": [""]}', "stop"),
     (b'[1, 2]', "Expected `object`"),
+    (b'{"id": "g1", "prompt": "hi", "structured_outputs": {"regex": "a(b"}}', "unclosed group"),
+    (b'{"id": "g2", "prompt": "hi", "structured_outputs": {"json": {"type": "objekt"}}}', "objekt"),
+    (b'{"id": "g3", "prompt": "hi", "response_format": {"type": "json_schema"}}', "json_schema.schema"),
+    (b'{"id": "g4", "prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}', "exactly one"),
 ])
 def test_bad_requests_get_a_single_error_event(stack, body, error):
     async def go():
@@ -223,3 +227,39 @@ def test_requests_resume_with_the_same_output_after_their_worker_is_killed(stack
     statuses = asyncio.run(engine_statuses(stack.nats_url))
     assert all(s.ready and s.kv_used_blocks == 0 for s in statuses.values())
     assert sum(s.num_preemptions for s in statuses.values()) > preemptions_before, "nothing was resumed"
+
+
+def test_structured_outputs_over_nats_match_their_constraints(stack):
+    """Through the tokenizer, admission, the engine master and its Ray worker: JSON schema (OpenAI's
+    response_format and vLLM's structured_outputs), regex and choice, greedy and seeded, side by side."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                                               "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+                                               "name": {"type": "string", "maxLength": 8}},
+              "required": ["id", "tags", "name"]}
+    bodies = []
+    for i in range(12):
+        body = {"id": f"so-{i}", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 80,
+                "temperature": 0 if i % 2 else 1.0, "seed": i}
+        kind = i % 3
+        if kind == 0:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}
+        elif kind == 1:
+            body["structured_outputs"] = {"regex": "[a-z]{3}-[0-9]{2,4}"}
+        else:
+            body["structured_outputs"] = {"choice": ["alpha", "beta", "gamma"]}
+        bodies.append(body)
+    results = asyncio.run(produce_concurrently(stack.nats_url, bodies))
+    for i, body in enumerate(bodies):
+        final = results[body["id"]][-1]
+        assert final["finish_reason"] == "stop", final
+        text = "".join(e["text"] for e in results[body["id"]])
+        if i % 3 == 0:
+            jsonschema.validate(json.loads(text), schema)
+        elif i % 3 == 1:
+            assert re.fullmatch("[a-z]{3}-[0-9]{2,4}", text), text
+        else:
+            assert text in ("alpha", "beta", "gamma")
