@@ -14,16 +14,23 @@ from typing import IO, Any
 import msgspec
 
 from engine.llm_engine import Completion, LLMEngine
-from shared.api import decode_generate_request, event_logprobs
+from shared.api import GenerateRequest, decode_generate_request, event_logprobs
+from shared.outputs import FinishReason
+from shared.tools import parse_tool_calls
 
 _encoder = msgspec.json.Encoder()
 
 
-def completion_record(c: Completion) -> dict[str, Any]:
+def completion_record(c: Completion, request: GenerateRequest | None = None) -> dict[str, Any]:
+    """`request`: the line it came from; with tools, the record has the `tool_calls` read from `text`."""
     record: dict[str, Any] = {
         "id": c.request_id, "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids,
         "text": c.text, "finish_reason": c.finish_reason.label if c.finish_reason is not None else None,
     }
+    if request is not None and request.tools and c.finish_reason != FinishReason.ERROR:
+        _, calls = parse_tool_calls(c.text, request.tools, request.tool_choice)
+        if calls:
+            record["tool_calls"] = [msgspec.to_builtins(call) for call in calls]
     if c.logprobs is not None:
         record["logprobs"] = event_logprobs(c.logprobs)
     if c.error:
@@ -44,10 +51,10 @@ def _line_id(line: str) -> str | None:
     return value.get("id") if isinstance(value, dict) and isinstance(value.get("id"), str) else None
 
 
-def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any] | str]:
+def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any] | GenerateRequest]:
     """Add every valid line to the engine. Returns, in input order, an error record or the
-    request id whose completion will fill that slot."""
-    slots: list[dict[str, Any] | str] = []
+    request whose completion will fill that slot."""
+    slots: list[dict[str, Any] | GenerateRequest] = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -56,7 +63,7 @@ def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any]
             params = request.sampling_params()
             ids = engine.prompt_ids(request)
             engine.add_request(request.id, ids, params, priority=request.priority)
-            slots.append(request.id)
+            slots.append(request)
         except ValueError as exc:
             slots.append(error_record(_line_id(line), lineno, str(exc)))
     return slots
@@ -64,18 +71,19 @@ def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any]
 
 def run_batch(engine: LLMEngine, lines: Iterable[str], out: IO[str], progress: bool = True) -> dict[str, int]:
     slots = submit_lines(engine, lines)
+    requests = {s.id: s for s in slots if isinstance(s, GenerateRequest)}
     done: dict[str, dict[str, Any]] = {}
-    total = sum(isinstance(s, str) for s in slots)
-    bar = _progress_bar(total, progress)
+    bar = _progress_bar(len(requests), progress)
     while engine.has_unfinished:
         for delta in engine.step():
             if delta.finished:
-                done[delta.completion.request_id] = completion_record(delta.completion)
+                request_id = delta.completion.request_id
+                done[request_id] = completion_record(delta.completion, requests.get(request_id))
                 bar.update(1)
     bar.close()
     counts = {"requests": len(slots), "errors": 0}
     for slot in slots:
-        record = done[slot] if isinstance(slot, str) else slot
+        record = done[slot.id] if isinstance(slot, GenerateRequest) else slot
         counts["errors"] += record["finish_reason"] == "error"
         out.write(_encoder.encode(record).decode() + "\n")
     return counts

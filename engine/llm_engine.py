@@ -13,14 +13,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
-
 from core.batch import SchedulerOutput
 from core.detokenize import IncrementalDetokenizer
 from core.request import Request
 from core.scheduler import Scheduler
 from engine.executor import Executor, LocalExecutor, MultiprocExecutor, RunnerArgs, check_parallel
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import Tokenizer, load_tokenizer, render_messages
 from model.arch import eos_token_ids, load_arch_config, resolve_max_model_len
 from model.runner import ModelRunner
 from shared.api import GenerateRequest
@@ -115,7 +113,7 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer: send prompt_token_ids instead")
         if request.messages is not None:
-            return self.tokenizer.apply_chat_template([msgspec.structs.asdict(m) for m in request.messages])
+            return render_messages(self.tokenizer, request, self.config.model.chat_template)
         return self.tokenizer.encode(request.prompt or "")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.api import GenerateRequest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+JINJA_CHARS = "{}\n"
+"""A --chat-template value with one of these is template text; without, it must name a file (vLLM's rule)."""
+
+
+@functools.lru_cache(maxsize=8)
+def load_chat_template(value: str) -> str:
+    """A `--chat-template` value as template text: the file it names, or the value itself when it is
+    a template. ValueError when it names no file and does not look like a template either."""
+    path = Path(value).expanduser()
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # template text too long (or odd) to be a path
+        is_file = False
+    if is_file:
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--chat-template {value!r}: cannot read it ({exc})") from None
+    if any(c in value for c in JINJA_CHARS):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 class Tokenizer:
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
+        """`chat_template`: a `--chat-template` value (a file or the text), used instead of the checkpoint's."""
         self._tok = hf_tokenizer
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.chat_template: str | None = (load_chat_template(chat_template) if chat_template
+                                          else getattr(hf_tokenizer, "chat_template", None) or None)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
@@ -20,17 +48,35 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self._tok, "chat_template", None):
-            raise ValueError("this model has no chat template; use a plain prompt")
-        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+                            chat_template: str | None = None) -> list[int]:
+        """The messages rendered for a reply. `tools`: transformers' `tools=` (the template offers them);
+        `chat_template`: a `--chat-template` value for this call, over the tokenizer's own."""
+        template = load_chat_template(chat_template) if chat_template else self.chat_template
+        if not template:
+            raise ValueError("this model has no chat template; use a plain prompt (or give --chat-template)")
+        ids = self._tok.apply_chat_template(messages, tools=tools, chat_template=template,
+                                            add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
-    """The tokenizer saved beside the weights, or None when the checkpoint has none."""
+def render_messages(tokenizer: Tokenizer, request: GenerateRequest, chat_template: str | None = None) -> list[int]:
+    """A NATS or `orca generate` request's chat messages (and tools) rendered with the chat template."""
+    import msgspec
+
+    from shared.tools import template_messages, template_tools
+
+    # content "" where an assistant message made only tool calls, as the gateway renders it
+    messages = template_messages([{**msgspec.to_builtins(m), "content": m.content or ""}
+                                  for m in request.messages or ()])
+    return tokenizer.apply_chat_template(messages, template_tools(request.tools, request.tool_choice), chat_template)
+
+
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer saved beside the weights, or None when the checkpoint has none. `chat_template`:
+    a `--chat-template` value (a Jinja file or the template text) that replaces the checkpoint's."""
     if not any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer  # heavy import, only where a tokenizer is used
 
-    return Tokenizer(AutoTokenizer.from_pretrained(str(model_dir)))
+    return Tokenizer(AutoTokenizer.from_pretrained(str(model_dir)), chat_template)

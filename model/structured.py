@@ -113,12 +113,11 @@ class GrammarMatchers:
         return self._mask_thread.submit(self.fill, request_ids)
 
     def fill(self, request_ids: list[str]) -> Mask | None:
-        """The rows with a grammar that has not ended (one that has: a step scheduled ahead) and their
-        bitmask; None when no row has one."""
+        """The rows with a grammar and their bitmask; None when no row has one. A grammar that has ended
+        allows only EOS (a step scheduled ahead, or tokens resumed up to its end)."""
         from llguidance.torch import fill_next_token_bitmask
 
-        rows = [row for row, rid in enumerate(request_ids)
-                if rid in self.matchers and not self.matchers[rid].is_stopped()]
+        rows = [row for row, rid in enumerate(request_ids) if rid in self.matchers]
         if not rows:
             return None
         bitmask = torch.full((len(rows), -(-self.vocab_size // 32)), -1, dtype=torch.int32)
@@ -139,9 +138,11 @@ class GrammarMatchers:
         done, errors = [], {}
         for rid, token in zip(request_ids, tokens):
             matcher = self.matchers.get(rid)
-            if matcher is None or matcher.is_stopped():
+            if matcher is None:
                 continue
-            if not matcher.consume_token(token):
+            if matcher.is_stopped():  # it ended before this token (EOS, by its mask): done, if not already
+                done.append(rid)
+            elif not matcher.consume_token(token):
                 errors[rid] = f"the grammar refused token {token}: {matcher.get_error()}"
             elif matcher.is_stopped():
                 done.append(rid)

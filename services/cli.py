@@ -33,10 +33,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="--enforce-eager: the plain torch step; --no-enforce-eager: compile it (torch.compile) "
                         "on any device; default: compile on CUDA only")
+    add_chat_template_arg(g)
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="workers per pipeline stage")
     g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                    help="pipeline stages (as many batches in flight)")
     env.apply_engine_env(parser)  # ORCA_<FIELD> variables become these flags' defaults (shared/env.py)
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The one flag that the engine, the tokenizer service and the gateway share (each renders chats).
+    Its ORCA_CHAT_TEMPLATE variable applies where the parser calls `env.apply_engine_env`."""
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, as a file or the template text, rendered instead of the "
+                             "checkpoint's (vLLM's flag)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -44,7 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                           seed=args.seed, kernel_backend=args.kernel_backend,
-                          enforce_eager=args.enforce_eager),
+                          enforce_eager=args.enforce_eager, chat_template=args.chat_template),
         scheduler=SchedulerConfig(policy=args.scheduler, max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   enable_chunked_prefill=args.enable_chunked_prefill,
@@ -68,7 +77,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.batch_job import run_batch
     from engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config_from_args(args), stream_text=False)
+    config = engine_config_from_args(args)
+    check_chat_template(config)
+    engine = LLMEngine(config, stream_text=False)
     source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
     sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     try:
@@ -86,7 +97,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level)
     resolve_model(args)
-    return serve(args, engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    check_chat_template(config)
+    return serve(args, config)
+
+
+def check_chat_template(config: EngineConfig) -> None:
+    """A --chat-template that names no file and is no template: one line now, not an error per request."""
+    if config.model.chat_template is not None:
+        from engine.tokenizer import load_chat_template
+
+        load_chat_template(config.model.chat_template)
 
 
 def build_parser() -> argparse.ArgumentParser:

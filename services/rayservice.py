@@ -97,5 +97,6 @@ def app(args: dict[str, Any]) -> serve.Application:
                                ray_actor_options={"num_cpus": 0,
                                                   "runtime_env": {"env_vars": {"ORCA_NATS_USER": "gateway"}}})
     settings = GatewaySettings(nats_url=parsed.nats_url, model=config.model.model,
-                               served_model_name=parsed.served_model_name, api_key=env.api_key())
+                               served_model_name=parsed.served_model_name, api_key=env.api_key(),
+                               chat_template=config.model.chat_template)
     return gateway.bind(settings, engines.bind(config, parsed.nats_url, parsed.worker_threads))

@@ -77,12 +77,16 @@ def start_engines(config: EngineConfig, nats_url: str, args: argparse.Namespace,
             for i in range(args.replicas)]
 
 
-def start_services(args: argparse.Namespace, nats_url: str, model: str, run_dir: Path) -> dict[str, SupervisedProcess]:
+def start_services(args: argparse.Namespace, nats_url: str, config: EngineConfig,
+                   run_dir: Path) -> dict[str, SupervisedProcess]:
     """The tokenizer, admission and jobs processes, supervised. The tokenizer says "drained" on a
     pipe (see `_drain`)."""
     drain = ["--drain-timeout", str(args.drain_timeout)]
+    model = ["--model", config.model.model]
+    if config.model.chat_template is not None:
+        model += ["--chat-template", config.model.chat_template]
     commands = {
-        "tokenizer": lambda extra: service_command("tokenizer", nats_url, "--model", model, *drain, *extra),
+        "tokenizer": lambda extra: service_command("tokenizer", nats_url, *model, *drain, *extra),
         "admission": lambda extra: service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len),
                                                    *extra),
         "jobs": lambda extra: service_command("jobs", nats_url, *drain, *extra),
@@ -180,14 +184,14 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         signal.signal(signal.SIGINT, on_signal)
         run_dir = Path(tempfile.mkdtemp(prefix="orca-serve-"))  # the services' liveness files
         stack.callback(shutil.rmtree, run_dir, True)
-        services = start_services(args, nats_url, config.model.model, run_dir)
+        services = start_services(args, nats_url, config, run_dir)
         stack.callback(stop_processes, list(services.values()))
         workers = args.replicas * config.parallel.world_size
         threads = args.worker_threads or default_worker_threads(os.cpu_count() or 1, workers)
         masters = start_engines(config, nats_url, args, threads)
         stack.callback(_stop_masters, [m.actor for m in masters])
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, [m.run_ref for m in masters]))
-        http_url = start_gateway(args, nats_url, config.model.model)
+        http_url = start_gateway(args, nats_url, config)
         stack.callback(_stop_gateway, args.drain_timeout)
         print(f"orca-serve is up: HTTP {http_url}, NATS {nats_url}, {args.replicas} engine replica(s) of "
               f"{config.model.model}\n"
@@ -215,13 +219,13 @@ def supervise(services: list[SupervisedProcess], masters: list) -> None:
         master.check(now)
 
 
-def start_gateway(args: argparse.Namespace, nats_url: str, model: str) -> str:
+def start_gateway(args: argparse.Namespace, nats_url: str, config: EngineConfig) -> str:
     """The OpenAI-compatible HTTP gateway as a Ray Serve deployment; returns its URL."""
     from services.gateway.app import start_on_ray_serve
     from services.gateway.state import GatewaySettings
 
-    settings = GatewaySettings(nats_url=nats_url, model=model, served_model_name=args.served_model_name,
-                               api_key=args.api_key)
+    settings = GatewaySettings(nats_url=nats_url, model=config.model.model, served_model_name=args.served_model_name,
+                               api_key=args.api_key, chat_template=config.model.chat_template)
     start_on_ray_serve(settings, args.host, args.port)
     return f"http://{args.host}:{args.port}"
 

@@ -79,8 +79,14 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """True: the plain torch step (debugging, float64 exactness). False: the step compiled with
     torch.compile (CUDA graphs for decode on CUDA). None: compiled where it pays, on CUDA; eager on CPU,
     where compiling measured no faster (benchmarks/README.md)."""
+    chat_template: str | None = None
+    """vLLM's --chat-template: a Jinja file, or the template text, rendered for chat messages instead
+    of the checkpoint's template (or where it has none). Read where a tokenizer loads
+    (engine/tokenizer.py load_chat_template), so a path names a file on that machine."""
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise ValueError("chat_template is empty")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.kernel_backend not in KERNEL_BACKENDS:

@@ -43,8 +43,10 @@ class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     def normalized(self) -> StructuredOutputs:
         """The schema as compact JSON text, its keys in the order given (properties are written in that order)."""
-        if isinstance(self.json, dict):
+        if self.json is not None and not isinstance(self.json, str):
             return msgspec.structs.replace(self, json=json.dumps(self.json, separators=(",", ":")))
+        if self.choice is not None and not isinstance(self.choice, list):
+            return msgspec.structs.replace(self, choice=list(self.choice))
         return self
 
     def validate(self) -> StructuredOutputs:
@@ -111,9 +113,12 @@ def _grammar_text(kind: str, schema: str | dict | None, regex: str | None, choic
             parsed = json.loads(schema) if isinstance(schema, str) else schema
         except json.JSONDecodeError as exc:
             raise ValueError(f"invalid structured_outputs.json: not JSON ({exc})") from None
-        if not isinstance(parsed, (dict, bool)):
+        if not isinstance(parsed, dict):
             raise ValueError("invalid structured_outputs.json: a JSON schema is an object")
-        return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(parsed)), defaults=JSON_OPTIONS)
+        try:
+            return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(parsed)), defaults=JSON_OPTIONS)
+        except ValueError as exc:
+            raise ValueError(f"invalid structured_outputs.json: {exc}") from None
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema('{"type":"object"}', defaults=JSON_OPTIONS)
     if kind == "regex":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from services.cli import add_chat_template_arg
 from services.gateway.app import build_app
 from services.gateway.state import GatewaySettings
 from services.logs import setup_logging
@@ -25,10 +26,12 @@ def main() -> None:
                         "(default: $ORCA_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     parser.add_argument("--log-level", default="INFO")
+    add_chat_template_arg(parser)
+    env.apply_engine_env(parser)  # ORCA_CHAT_TEMPLATE (and ORCA_MODEL), as for the engine
     args = parser.parse_args()
     setup_logging(args.log_level)
     settings = GatewaySettings(nats_url=args.nats_url, model=args.model, served_model_name=args.served_model_name,
-                               api_key=args.api_key)
+                               api_key=args.api_key, chat_template=args.chat_template)
     import uvicorn
 
     uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -76,7 +76,7 @@ def lifespan(settings: GatewaySettings, http_requests: Counter):
         from model.arch import load_arch_config, resolve_max_model_len
         from services.bus import connect, drain_quietly
 
-        tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings.model, settings.chat_template)
         if tokenizer is None:
             raise RuntimeError(f"{settings.model} has no tokenizer files")
         arch = load_arch_config(settings.model)

@@ -2,10 +2,13 @@
 as server-sent events.
 
 The order is the cheap checks first (model, health, a full queue: 429 before any tokenizing or
-publishing), then the prompts against the context, then publish. The first event is awaited
+publishing), then the output constraint and the tools (services/gateway/constraints.py: a bad
+schema is a 400 before anything is tokenized), then the prompts against the context, then publish. The first event is awaited
 before the HTTP status is chosen, so an error the system finds (the queue filled meanwhile, an
 engine failed) is still a 4xx/5xx status and not a 200 stream with an error inside. A client that
 goes away (HTTP disconnect, or Ray Serve cancelling the call) gets every unfinished request aborted.
+
+With tools, a choice's text is read as tool calls (services/gateway/tool_stream.py streams them).
 
 A stream is coalesced, never delayed: the first event goes out alone, at once; after that each write
 carries everything that arrived since the last one (several tokens per chunk, the chunks of several
@@ -24,14 +27,17 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from services.gateway.constraints import ToolUse, output_constraint, tool_use
 from services.gateway.engine_client import Event, Generation, coalesce
 from services.gateway.errors import APIError, error_body, from_generation_error
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, PromptInput, check_unsupported,
                                       generate_requests, resolve_max_tokens)
 from services.gateway.responses import (SSE_DONE, Choice, chat_chunk, chat_logprobs, chat_response, completion_chunk,
-                                        completion_logprobs, completion_response, sse, usage)
+                                        completion_logprobs, completion_response, sse, tool_calls_finish, usage)
 from services.gateway.state import GatewayState
+from services.gateway.tool_stream import ToolStream
+from shared.structured import StructuredOutputs
 
 
 @dataclass
@@ -46,16 +52,20 @@ class Call:
     echo: list[str] | None
     want_logprobs: bool
     include_usage: bool
+    tools: ToolUse | None = None
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self.model = self.state.settings.model_name
         self.choices = [Choice() for _ in self.generation.requests]
+        self.tool_streams = [ToolStream(self.tools) for _ in self.choices] if self.tools else None
+        self.pending_logprobs: list[list] = [[] for _ in self.choices]
+        """Logprobs of text a tool stream holds back, to go with the next delta it sends."""
 
     def response(self) -> dict:
         if self.chat:
             return chat_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
-                                 self.state.token_text, self.want_logprobs)
+                                 self.state.token_text, self.want_logprobs, self.tools)
         return completion_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
                                    self.echo, self.state.token_text, self.want_logprobs)
 
@@ -76,17 +86,37 @@ class Call:
                                                   event.finish_reason, lp))]
 
     def _chat_chunks(self, index: int, event: Event, first: bool, logprobs: list | None) -> list[dict]:
-        out = []
-        if first:
-            out.append({"role": "assistant", "content": ""})
-        if event.text or logprobs:
-            out.append({"content": event.text})
+        out = [{"role": "assistant", "content": ""}] if first else []
+        finish_reason = event.finish_reason
+        if self.tool_streams is None:
+            if event.text or logprobs:
+                out.append({"content": event.text})
+        else:
+            deltas, logprobs = self._tool_deltas(index, event, logprobs)
+            out += deltas
         chunks = [chat_chunk(self.public_id, self.created, self.model, index, delta, None) for delta in out]
         if logprobs:
             chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, self.state.token_text)
-        if event.finish_reason is not None:
-            chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, event.finish_reason))
+        if finish_reason is not None:
+            if self.tool_streams is not None and self.tool_streams[index].called:
+                finish_reason = tool_calls_finish(finish_reason)
+            chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, finish_reason))
         return [self._with_usage(c) for c in chunks]
+
+    def _tool_deltas(self, index: int, event: Event, logprobs: list | None) -> tuple[list[dict], list | None]:
+        """The deltas of a choice with tools, and the logprobs to send with them: those of text held
+        back wait in `pending_logprobs` for the next delta (or the last)."""
+        stream, pending = self.tool_streams[index], self.pending_logprobs[index]
+        deltas = stream.add(event.text)
+        if event.finish_reason is not None:
+            deltas += stream.finish()
+        pending.extend(logprobs or ())
+        if not deltas and event.finish_reason is None:
+            return [], None
+        self.pending_logprobs[index] = []
+        if not deltas and pending:
+            deltas = [{}]  # the last logprobs, with nothing left to say
+        return deltas, pending or None
 
     def _with_usage(self, chunk: dict) -> dict:
         if self.include_usage:
@@ -127,25 +157,28 @@ async def create_completion(state: GatewayState, body: CompletionRequest, http: 
     state.check_model(body.model)
     state.check_can_take()
     check_unsupported(body)
+    constraint = output_constraint(body)
     prompts = await state.prompts.for_completion(body)
     context, capacity = state.context_len(), state.client.status.kv_capacity_tokens()
     max_tokens = [resolve_max_tokens(len(p.token_ids), body.max_tokens, context, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      capacity) for p in prompts]
     echo = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
-    return await _serve(state, http, body, False, prompts, max_tokens, body.logprobs, echo)
+    return await _serve(state, http, body, False, prompts, max_tokens, body.logprobs, echo, constraint)
 
 
 async def create_chat_completion(state: GatewayState, body: ChatCompletionRequest, http: Request) -> Response:
     state.check_model(body.model)
     state.check_can_take()
     check_unsupported(body)
-    prompt = await state.prompts.for_chat(body.messages)
+    tools = tool_use(body)
+    constraint = output_constraint(body, tools)
+    prompt = await state.prompts.for_chat(body.messages, tools.template_tools() if tools else None)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt.token_ids), asked, state.context_len(), None,
                                     state.client.status.kv_capacity_tokens(), param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(state, http, body, True, [prompt], [max_tokens], logprobs, None)
+    return await _serve(state, http, body, True, [prompt], [max_tokens], logprobs, None, constraint, tools)
 
 
 def _prompt_text(state: GatewayState, prompt: PromptInput) -> str:
@@ -154,16 +187,17 @@ def _prompt_text(state: GatewayState, prompt: PromptInput) -> str:
 
 async def _serve(state: GatewayState, http: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
                  prompts: list[PromptInput], max_tokens: list[int], logprobs: int | None,
-                 echo: list[str] | None) -> Response:
+                 echo: list[str] | None, constraint: StructuredOutputs | None = None,
+                 tools: ToolUse | None = None) -> Response:
     public_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs)
+    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, constraint)
     state.check_can_take()  # tokenizing took a while: look again before publishing
     generation = await state.client.submit(public_id, requests)
     state.tokens["prompt"] += sum(len(p.token_ids) for p in prompts) * body.n
     watcher = asyncio.create_task(_abort_on_disconnect(http, generation))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     call = Call(state, public_id, chat, generation, [len(p.token_ids) for p in prompts], echo,
-                logprobs is not None, include_usage)
+                logprobs is not None, include_usage, tools)
     streaming = False
     try:
         first = await _first_event(generation)

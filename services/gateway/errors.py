@@ -14,7 +14,8 @@ TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inval
 
 # Error texts of the tokenizer, admission and engine that mean the request itself is wrong.
 USER_ERROR_MARKERS = ("prompt has", "KV slots", "must be", "outside the vocabulary", "is empty", "already in use",
-                      "chat template", "malformed JSON", "unknown field", "Expected", "give exactly one")
+                      "chat template", "malformed JSON", "unknown field", "Expected", "give exactly one",
+                      "structured output")
 QUEUE_FULL_MARKER = "queue is full"
 
 

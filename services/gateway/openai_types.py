@@ -8,9 +8,9 @@ Responses are built as plain dicts on the hot path; the response models here doc
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.sampling import MAX_TOP_LOGPROBS
 
@@ -19,6 +19,9 @@ MAX_N = 16
 MAX_PROMPTS = 32
 """Most prompts in one completions request (a list of prompts)."""
 MAX_STOP = 16
+MAX_TOOLS = 128
+"""Most functions in one chat request's `tools` (OpenAI's limit)."""
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -35,6 +38,46 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     """Send a last chunk (empty `choices`) with the usage of the whole request."""
+
+
+class StructuredOutputs(Strict):
+    """vLLM's `structured_outputs`: give exactly one field. The output is constrained to match it."""
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    """A JSON schema, as an object or as JSON text."""
+    regex: str | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's syntax) or a GBNF one (llama.cpp's)."""
+    json_object: bool | None = None
+    """true: any JSON object."""
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+    """Any JSON object."""
+
+
+class JsonSchema(Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: str | None = None
+    """Accepted; not shown to the model."""
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    strict: bool | None = None
+    """Accepted: objects that list their properties allow no others either way (OpenAI's strict mode)."""
+
+
+class JsonSchemaFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
 class SamplingFields(Strict):
@@ -67,6 +110,15 @@ class SamplingFields(Strict):
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     """Accepted and ignored."""
+    response_format: ResponseFormat | None = None
+    """OpenAI's: text, json_object, or json_schema (the output matches `json_schema.schema`)."""
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM extra: constrain the output to a JSON schema, a regex, a choice or a grammar."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older spelling of structured_outputs.json (also guided_regex, guided_choice, guided_grammar)."""
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -89,15 +141,59 @@ class TextPart(Strict):
 Content = str | list[TextPart] | None
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str
+    """JSON text."""
+
+
+class ToolCall(Strict):
+    """A tool call an assistant message made (chat history)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's tool calls (its content may then be null)."""
+    tool_call_id: str | None = None
+    """A tool message: the id of the call whose result `content` is."""
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only a tool message has tool_call_id")
+        return self
 
 
-class ResponseFormat(Strict):
-    type: Literal["text"]
-    """Only plain text is supported."""
+class FunctionDefinition(Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of an object; none: no parameters."""
+    strict: bool | None = None
+    """Accepted: with tool_choice required or a named function the arguments always match `parameters`."""
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -106,10 +202,14 @@ class ChatCompletionRequest(SamplingFields):
     """Wins over max_tokens; without either, the rest of the context."""
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list[dict], Field(max_length=0)] | None = None
-    """Not supported: null or empty."""
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    """Function tools, offered to the model through the chat template."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """`auto` (the default with tools): the model may call tools, in the Hermes format
+    (`<tool_call>{"name", "arguments"}</tool_call>`); `required`: it calls one or more; a named
+    function: it calls that one. `required` and named calls are constrained to the parameter schemas."""
+    parallel_tool_calls: bool = True
+    """false: at most one tool call."""
 
 
 class TokenizeRequest(Strict):
@@ -126,7 +226,7 @@ class DetokenizeRequest(Strict):
 
 # ---- responses ---------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class Usage(BaseModel):
@@ -174,9 +274,17 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    """null when the reply is tool calls only."""
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -195,9 +303,25 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+    """A fragment: a call's arguments are its fragments joined."""
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    """Which call of the message this fragment belongs to."""
+    id: str | None = None
+    """On a call's first fragment (with its type and name)."""
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -17,6 +17,8 @@ from engine.tokenizer import Tokenizer
 from services.gateway.errors import APIError
 from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from shared.api import GenerateRequest
+from shared.structured import StructuredOutputs
+from shared.tools import template_messages
 
 T = TypeVar("T")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -51,14 +53,14 @@ class Prompts:
             return [PromptInput(self.checked(prompt))]
         return [PromptInput(self.checked(ids)) for ids in prompt]
 
-    async def for_chat(self, messages: list[ChatMessage]) -> PromptInput:
-        return PromptInput(await self.run(self.render_chat, messages))
+    async def for_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> PromptInput:
+        return PromptInput(await self.run(self.render_chat, messages, tools))
 
-    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
-        dicts = [{"role": "system" if m.role == "developer" else m.role, "content": message_text(m)}
-                 for m in messages]
+    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+        """The messages (and the tools offered, transformers' `tools=`) through the chat template."""
+        dicts = template_messages([{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in messages])
         try:
-            return self.tokenizer.apply_chat_template(dicts)
+            return self.tokenizer.apply_chat_template(dicts, tools)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a Jinja template error is still about the messages
@@ -120,7 +122,8 @@ def check_unsupported(request: SamplingFields) -> None:
 
 
 def generate_requests(public_id: str, request: SamplingFields, prompts: list[PromptInput], max_tokens: list[int],
-                      logprobs: int | None) -> list[GenerateRequest]:
+                      logprobs: int | None, constraint: StructuredOutputs | None = None) -> list[GenerateRequest]:
+    """`constraint`: what every output must match (checked already: `constraints.output_constraint`)."""
     out = []
     for p, prompt in enumerate(prompts):
         for j in range(request.n):
@@ -131,7 +134,7 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop,
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty)
+                frequency_penalty=request.frequency_penalty, structured_outputs=constraint)
             try:
                 generate.sampling_params()
             except ValueError as exc:

@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.constraints import ToolUse
 from services.gateway.engine_client import Event
 
 TokenText = Callable[[int], str]
@@ -57,14 +58,32 @@ def completion_response(public_id: str, created: int, model: str, choices: list[
 
 
 def chat_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
-                  token_text: TokenText, want_logprobs: bool) -> dict:
-    return {
-        "id": public_id, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-                     "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
-                     "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
-        "usage": usage(prompt_lens, choices),
-    }
+                  token_text: TokenText, want_logprobs: bool, tools: ToolUse | None = None) -> dict:
+    out = []
+    for i, c in enumerate(choices):
+        message, finish_reason = chat_message("".join(c.text), c.finish_reason, tools)
+        out.append({"index": i, "message": message,
+                    "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
+                    "finish_reason": finish_reason})
+    return {"id": public_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage(prompt_lens, choices)}
+
+
+def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None) -> tuple[dict, str | None]:
+    """A whole reply and its finish reason: with tool calls, `tool_calls` (content null unless the
+    model wrote some before them) and "tool_calls" where the model stopped by itself."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = tools.parse(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish_reason
+    message = {"role": "assistant", "content": content, "tool_calls": [msgspec.to_builtins(c) for c in calls]}
+    return message, tool_calls_finish(finish_reason)
+
+
+def tool_calls_finish(finish_reason: str | None) -> str | None:
+    """OpenAI's finish reason for a reply that called tools: "tool_calls", unless it was cut short."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
 
 
 def completion_chunk(public_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None,

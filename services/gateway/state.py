@@ -25,6 +25,8 @@ class GatewaySettings:
     api_key: str | None = field(default=None, repr=False)
     """Bearer token every route but /health and /metrics requires; None: no auth."""
     max_body_bytes: int = MAX_BODY_BYTES
+    chat_template: str | None = None
+    """--chat-template: a Jinja file or the template text, rendered instead of the checkpoint's."""
 
     @property
     def model_name(self) -> str:

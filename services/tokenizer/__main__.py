@@ -12,8 +12,10 @@ from engine.tokenizer import load_tokenizer
 from model.arch import load_arch_config
 from services import liveness
 from services.bus import run_service, stop_events_on_signals
+from services.cli import add_chat_template_arg
 from services.logs import setup_logging
 from services.tokenizer.service import TokenizerService
+from shared import env
 
 log = logging.getLogger("orca.tokenizer")
 
@@ -23,7 +25,7 @@ HOLD_LIMIT_S = 120.0
 
 
 async def main(args: argparse.Namespace) -> None:
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.model, args.chat_template)
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer files")
     vocab_size = load_arch_config(args.model).vocab_size
@@ -72,6 +74,8 @@ if __name__ == "__main__":
     parser.add_argument("--alive-file", default=None,
                         help="touch this file every second while the event loop runs (for a supervisor's liveness check)")
     parser.add_argument("--log-level", default="INFO")
+    add_chat_template_arg(parser)
+    env.apply_engine_env(parser)  # ORCA_CHAT_TEMPLATE (and ORCA_MODEL), as for the engine
     args = parser.parse_args()
     setup_logging(args.log_level)
     asyncio.run(main(args))

@@ -29,7 +29,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.detokenize import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, render_messages
 from services.bus import on_reconnect
 from services.tokenizer.recovery import Recovery, prime, reattach, resume_ids
 from services.tokenizer.telemetry import RequestTrace, TokenizerTelemetry
@@ -40,6 +40,7 @@ from shared.codec import Codec
 from shared.messages import Cancel, IterationOutputs, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput, TokenLogprob
 from shared.telemetry import SnapshotPublisher
+from shared.tools import Tool, ToolCall, ToolChoice, effective_choice, parse_tool_calls
 
 log = logging.getLogger("orca.tokenizer")
 outputs_codec = Codec(IterationOutputs)
@@ -82,6 +83,14 @@ class ActiveRequest:
     prompt_token_ids: list[int]
     num_generated: int = 0
     trace: RequestTrace | None = None
+    tools: list[Tool] | None = None
+    """With tools the model may call: the final event carries the calls read from the whole output."""
+    tool_choice: ToolChoice | None = None
+
+    def tool_calls(self) -> list[ToolCall] | None:
+        if not self.tools or effective_choice(self.tools, self.tool_choice) == "none":
+            return None
+        return parse_tool_calls(self.detokenizer.text, self.tools, self.tool_choice)[1] or None
 
 
 class TokenizerService:
@@ -141,7 +150,8 @@ class TokenizerService:
             return
         trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
         state = self.active[request.id] = ActiveRequest(
-            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace)
+            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace,
+            tools=request.tools, tool_choice=request.tool_choice)
         prime(state, resumed)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
                                      trace_context=self.telemetry.traceparent(trace), resume_token_ids=resumed)
@@ -154,7 +164,7 @@ class TokenizerService:
                 raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
             return request.prompt_token_ids
         if request.messages is not None:
-            return self.tokenizer.apply_chat_template([msgspec.structs.asdict(m) for m in request.messages])
+            return render_messages(self.tokenizer, request)
         return self.tokenizer.encode(request.prompt or "")
 
     async def on_outputs(self, msg: Msg) -> None:
@@ -190,10 +200,12 @@ class TokenizerService:
         del self.active[request_id]
         self.telemetry.on_final(state.trace, taken.reason, len(state.prompt_token_ids), state.num_generated,
                                 taken.error)
+        text = taken.text + state.detokenizer.flush()
+        tool_calls = state.tool_calls() if taken.reason != FinishReason.ERROR else None
         await self._publish(state.reply, GenerateEvent(
-            request_id, taken.token_ids, taken.text + state.detokenizer.flush(), taken.reason.label,
+            request_id, taken.token_ids, text, taken.reason.label,
             error=taken.error, usage=Usage(len(state.prompt_token_ids), state.num_generated),
-            prompt_token_ids=state.prompt_token_ids, logprobs=logprobs))
+            prompt_token_ids=state.prompt_token_ids, logprobs=logprobs, tool_calls=tool_calls))
 
     def _take(self, state: ActiveRequest, outputs: list[RequestOutput]) -> Taken:
         """Detokenize `outputs` in order, each as if it had come alone (same text, same metrics), up

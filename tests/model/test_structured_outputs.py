@@ -188,3 +188,21 @@ def test_the_bitmask_applies_alike_when_every_row_is_constrained():
     apply_token_bitmask(logits, [0, 1], bitmask)
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0, 1, 3]
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == list(range(33))
+
+
+def test_a_request_resumed_with_its_grammar_complete_may_only_end(demo_model):
+    """A request resumed after its engine died (README, "When things fail") with tokens that already
+    complete its grammar: its mask allows only EOS, and the next token ends it."""
+    from transformers import AutoTokenizer
+
+    from model.arch import eos_token_ids, load_arch_config
+    from model.structured import GrammarMatchers
+
+    eos = eos_token_ids(demo_model)
+    grammars = GrammarMatchers(demo_model, load_arch_config(demo_model).vocab_size, eos)
+    done_tokens = AutoTokenizer.from_pretrained(demo_model).encode("yes", add_special_tokens=False)
+    grammars.open("r", StructuredOutputs(choice=["yes", "no"]), done_tokens)
+    logits = torch.zeros(1, load_arch_config(demo_model).vocab_size)
+    grammars.mask(logits, ["r"])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)
+    assert grammars.advance(["r"], [eos[0]]) == (["r"], {})

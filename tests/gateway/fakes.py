@@ -1,0 +1,99 @@
+"""An in-memory gateway: the real FastAPI app and GatewayState, with a fake engine client (its
+generate events are scripted per request) and a fake tokenizer (one token per character) that
+records what the chat template was given. No NATS, no model: milliseconds per request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+from fastapi.testclient import TestClient
+
+from services.gateway.app import build_app
+from services.gateway.engine_client import Event, Generation
+from services.gateway.state import GatewaySettings, GatewayState
+from services.gateway.status import StatusBoard
+from shared.api import GenerateRequest, Usage
+from shared.messages import AdmissionStatus, EngineStatus, TokenizerStatus
+
+VOCAB = 0x3000
+
+
+class FakeTokenizer:
+    """Token t is the character chr(t); a chat renders as `role: content` lines."""
+
+    eos_token_id = 0
+
+    def __init__(self) -> None:
+        self.rendered: list[tuple[list[dict], list[dict] | None]] = []
+        """(messages, tools) of every chat template call."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template: str | None = None) -> list[int]:
+        self.rendered.append((messages, tools))
+        return self.encode("".join(f"{m['role']}: {m.get('content')}\n" for m in messages) + "assistant:")
+
+
+def healthy_board() -> StatusBoard:
+    board = StatusBoard()
+    board.on_admission(AdmissionStatus(queue_len=0, max_queue_len=8, num_engines_ready=1))
+    board.on_engine(EngineStatus(replica="0", incarnation="i", ready=True, block_size=16, num_blocks=100,
+                                 admissible_blocks=100, num_running=0, num_waiting=0, max_num_seqs=4,
+                                 max_model_len=512, last_admit_sequence=0, iteration=0, kv_used_blocks=0))
+    board.on_tokenizer(TokenizerStatus("t", num_active=0))
+    return board
+
+
+Script = Callable[[GenerateRequest], list[str]]
+"""A request's output, as the texts of its events (the last one ends it)."""
+
+
+class FakeEngineClient:
+    """Records the requests the gateway publishes and answers each with its scripted events."""
+
+    def __init__(self, script: Script, finish_reason: str = "stop") -> None:
+        self.script = script
+        self.finish_reason = finish_reason
+        self.status = healthy_board()
+        self.submitted: list[GenerateRequest] = []
+        self.by_public_id: dict[str, Generation] = {}
+
+    async def submit(self, public_id: str, requests: list[GenerateRequest]) -> Generation:
+        self.submitted += requests
+        generation = Generation(self, public_id, requests)
+        asyncio.get_running_loop().call_soon(self._answer, generation)
+        return generation
+
+    def _answer(self, generation: Generation) -> None:
+        for index, request in enumerate(generation.requests):
+            texts = self.script(request)
+            for i, text in enumerate(texts):
+                last = i == len(texts) - 1
+                ids = [ord(c) for c in text]
+                generation.deliver(index, Event(
+                    request.id, ids, text, self.finish_reason if last else None,
+                    usage=Usage(len(request.prompt_token_ids or ()), sum(map(len, texts))) if last else None,
+                    logprobs=[{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in ids]
+                    if request.logprobs is not None else None))
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        pass
+
+    def forget(self, generation: Generation) -> None:
+        pass
+
+
+def fake_gateway(script: Script, finish_reason: str = "stop") -> tuple[TestClient, FakeEngineClient, FakeTokenizer]:
+    """The gateway app, its engine client and its tokenizer (the app's lifespan is not run: no NATS)."""
+    settings = GatewaySettings(nats_url="nats://unused", model="m")
+    app = build_app(settings)
+    client, tokenizer = FakeEngineClient(script, finish_reason), FakeTokenizer()
+    app.state.gateway = GatewayState(settings, client, tokenizer, VOCAB, 512, Counter())
+    return TestClient(app), client, tokenizer
