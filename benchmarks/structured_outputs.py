@@ -2,10 +2,11 @@
 requests constrained by a JSON schema against the same workload with none constrained, and the
 grammar compile time of each schema used.
 
-The same tokens are generated both ways: the constrained run goes first and each constrained request's
-output length is kept; in the unconstrained run those requests generate exactly that many tokens
-(ignore_eos). So the ratio is the price of the grammars (mask, matcher, scheduling) alone. Runs alternate
-(constrained, unconstrained, ...) `--repeats` times; the median ratio is reported.
+The same tokens are generated both ways: a constrained warm-up run keeps each constrained request's
+output length (greedy, so every constrained run repeats it); in the unconstrained runs those requests
+generate exactly that many tokens (ignore_eos). So the ratio is the price of the grammars (mask, matcher,
+scheduling) alone. After one warm-up run of each, `--repeats` pairs run, which of the two goes first
+alternating; the median ratio is reported.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \\
         python benchmarks/structured_outputs.py --model .cache/demo-llama --num-requests 64
@@ -76,9 +77,12 @@ def make_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def run(engine: LLMEngine, requests: list[dict], constrained: bool, lengths: dict[str, int] | None) -> dict:
+    """`lengths`: each constrained request's output length. Known, a constrained request's max_tokens is one
+    more (its grammar still ends it): Orca reserves KV for prompt + max_tokens, so both runs admit alike."""
     for r in requests:
         if constrained and r["schema"]:
-            params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True,
+            max_tokens = lengths[r["id"]] + 1 if lengths else 400
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                                     structured_outputs=StructuredOutputs(json=SCHEMAS[r["schema"]]))
         else:
             max_tokens = lengths[r["id"]] if lengths and r["schema"] else r["max_tokens"]
@@ -92,7 +96,7 @@ def run(engine: LLMEngine, requests: list[dict], constrained: bool, lengths: dic
             if delta.finished:
                 out_lengths[delta.completion.request_id] = len(delta.completion.token_ids)
                 if constrained and delta.completion.request_id in SCHEMA_OF:
-                    valid += _parses(delta.completion.text)
+                    valid += _parses(delta.completion.text) and delta.completion.finish_reason.label == "stop"
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": generated, "tokens_per_s": generated / seconds, "lengths": out_lengths,
             "valid_json": valid}
@@ -142,11 +146,16 @@ def main() -> None:
     requests = workload(args, arch.vocab_size)
     SCHEMA_OF.update({r["id"]: r["schema"] for r in requests if r["schema"]})
     engine = make_engine(args)
-    run(engine, requests[:4], True, None)  # warm-up (compiles the schemas once, as a server would have)
+    lengths = run(engine, requests, True, None)["lengths"]  # warm-up: shapes, and the schemas compiled once
+    run(engine, requests, False, lengths)
     pairs = []
     for repeat in range(args.repeats):
-        constrained = run(engine, requests, True, None)
-        plain = run(engine, requests, False, constrained["lengths"])
+        if repeat % 2:
+            plain = run(engine, requests, False, lengths)
+            constrained = run(engine, requests, True, lengths)
+        else:
+            constrained = run(engine, requests, True, lengths)
+            plain = run(engine, requests, False, lengths)
         assert plain["tokens"] == constrained["tokens"], "both runs generate the same tokens"
         pairs.append((constrained, plain))
         print(f"repeat {repeat}: half constrained {constrained['tokens_per_s']:.0f} tok/s, none constrained "

@@ -34,12 +34,16 @@ computes one wasted token at N+1, whose result `update` ignores.
 A structured-output request waits until its grammar has compiled on the output rank: its grammar is
 ordered with the next step (`SchedulerOutput.grammars`), and it is admitted once a result says it is
 ready. Requests behind it are admitted meanwhile (a compile never holds up the queue); with nothing
-else to run, the scheduler sends a step that only waits for the compile.
+else to run, the scheduler sends a step that only waits for the compile. A constraint the output rank
+has compiled before is ready at once (it keeps its compiled grammars; one it has dropped since, it
+compiles again when the request arrives there).
 """
 
 from __future__ import annotations
 
 import bisect
+
+import msgspec
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from core.kv_cache import KVCacheManager
@@ -48,6 +52,10 @@ from core.request import Request, RequestStatus, queue_key, victim_key
 from shared.config import CacheConfig, SchedulerConfig
 from shared.outputs import FinishReason, RequestOutput
 from shared.structured import StructuredOutputs
+
+
+MAX_KNOWN_GRAMMARS = 4096
+"""Constraints remembered as compiled on the output rank (then forgotten all at once: they compile again)."""
 
 
 class Scheduler:
@@ -114,6 +122,7 @@ class Scheduler:
         self._grammar_orders: dict[str, StructuredOutputs] = {}  # to send with the next step
         self._grammars_compiling: set[str] = set()  # ordered, not yet reported ready
         self._grammar_poll: int | None = None  # the iteration of a step sent only to hear of compiles
+        self._compiled_grammars: set[bytes] = set()  # constraints the output rank has compiled (and keeps)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -137,8 +146,8 @@ class Scheduler:
         self._arrivals += 1
         request.status = RequestStatus.WAITING
         structured = request.params.structured_outputs
-        request.grammar_ready = structured is None
-        if structured is not None:
+        request.grammar_ready = structured is None or _grammar_key(structured) in self._compiled_grammars
+        if not request.grammar_ready:
             self._grammar_orders[request.request_id] = structured
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=queue_key)
@@ -273,6 +282,9 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is not None:
                 request.grammar_ready = True
+                if len(self._compiled_grammars) >= MAX_KNOWN_GRAMMARS:
+                    self._compiled_grammars.clear()
+                self._compiled_grammars.add(_grammar_key(request.params.structured_outputs))
         events = []
         for request_id, error in result.grammar_errors.items():
             self._grammars_compiling.discard(request_id)
@@ -384,6 +396,7 @@ class Scheduler:
         victims = list(self.running)
         self._in_flight.clear()  # the iterations in flight are lost with the KV
         self._grammar_poll = None
+        self._compiled_grammars.clear()  # a restarted worker has compiled nothing
         for request_id in self._grammars_compiling:  # the compiles are lost with the worker: order again
             self._grammar_orders[request_id] = self.requests[request_id].params.structured_outputs
         self._grammars_compiling.clear()
@@ -512,3 +525,7 @@ class Scheduler:
         if self.policy.lockstep:
             assert [s.request_id for s in output.scheduled] == [r.request_id for r in self.running], \
                 "a lockstep batch runs every lane, and only its lanes, in every iteration"
+
+
+def _grammar_key(spec: StructuredOutputs) -> bytes:
+    return msgspec.json.encode(spec)

@@ -106,10 +106,10 @@ class ModelRunner:
         batch = self._prepare_inputs(scheduler_output.scheduled)
         grammars = self.grammars
         constrained = grammars is not None and bool(grammars.matchers) and bool(batch.sampled_request_ids)
-        mask = grammars.start_mask(batch.sampled_request_ids) if constrained else None  # beside the forward pass
         hidden = self._run_stage(batch)  # (T, H)
         if hidden is None:
             return None
+        mask = grammars.fill(batch.sampled_request_ids) if constrained else None  # on CUDA: while the GPU runs
         if not batch.sampled_request_ids:  # only partial prefill chunks this iteration
             return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)

@@ -7,8 +7,9 @@ never stalls a batch. Compiled grammars are kept by grammar text: a schema seen 
 and a request preempted by recompute gets its matcher back by replaying its generated tokens.
 A matcher advances with each token sampled for its request; when its grammar can take no more
 tokens the request is done (`RunnerOutput.grammar_done`). The mask of an iteration depends only on
-tokens already sampled, so it is filled on its own thread while the forward pass runs (`start_mask`),
-as vLLM fills it while the GPU works: llguidance drops the GIL while it computes a mask.
+tokens already sampled: the runner fills it once the forward pass is queued, so on CUDA it is filled
+while the GPU works (as vLLM does). On the CPU the forward pass has run by then; filling it on a
+second thread during the pass measured slower here (benchmarks/README.md, "Structured outputs").
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
+from kernels.token_bitmask import apply_token_bitmask
 from shared.structured import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -43,7 +44,6 @@ class GrammarMatchers:
         self._lock = threading.Lock()
         self._pending: dict[str, Future[LLMatcher]] = {}  # request id -> its compile
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
 
     # ---- compiling, off the loop ---------------------------------------------------------
 
@@ -108,10 +108,6 @@ class GrammarMatchers:
         self.matchers.pop(request_id, None)
         self._pending.pop(request_id, None)
 
-    def start_mask(self, request_ids: list[str]) -> Future[Mask | None]:
-        """Begin filling the mask of the rows `request_ids` will sample (the next `mask` applies it)."""
-        return self._mask_thread.submit(self.fill, request_ids)
-
     def fill(self, request_ids: list[str]) -> Mask | None:
         """The rows with a grammar and their bitmask; None when no row has one. A grammar that has ended
         allows only EOS (a step scheduled ahead, or tokens resumed up to its end)."""
@@ -125,10 +121,10 @@ class GrammarMatchers:
             fill_next_token_bitmask(self.matchers[request_ids[row]], bitmask, i)
         return rows, bitmask
 
-    def mask(self, logits: torch.Tensor, request_ids: list[str], filled: Future[Mask | None] | None = None) -> None:
+    def mask(self, logits: torch.Tensor, request_ids: list[str], filled: Mask | None = None) -> None:
         """Set to -inf, in place, every token a row's grammar does not allow next; other rows are left as
-        they are. `filled`: the mask `start_mask` began for these rows."""
-        mask = filled.result() if filled is not None else self.fill(request_ids)
+        they are. `filled`: what `fill(request_ids)` returned, if it was called already."""
+        mask = filled if filled is not None else self.fill(request_ids)
         if mask is not None:
             apply_token_bitmask(logits, *mask)
 
@@ -151,18 +147,3 @@ class GrammarMatchers:
 
 Mask = tuple[list[int], torch.Tensor]
 """Rows of an iteration's logits, and their bitmask."""
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
-    """logits (N, V) of any float dtype and device; bitmask (len(rows), ceil(V/32)) int32 on the CPU, bit j
-    of word w allowing token 32w + j (llguidance's and xgrammar's layout). Unpacked by numpy (little-endian
-    words are little-endian bytes): a tenth of the time of shifting each bit out in torch here."""
-    vocab = logits.shape[1]
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=vocab, bitorder="little")
-    refused = torch.from_numpy(bits == 0).to(logits.device)
-    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    if len(rows) == logits.shape[0]:  # every row constrained: no gather (torch.where beat masked_fill_ here)
-        torch.where(refused, minus_inf, logits, out=logits)
-        return
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = torch.where(refused, minus_inf, logits[index])

@@ -40,6 +40,18 @@ def test_a_request_waits_for_its_grammar_and_those_behind_it_do_not():
     assert not third.awaiting_grammars
 
 
+def test_a_constraint_compiled_before_is_ready_at_once_until_a_worker_is_lost():
+    s = make_scheduler()
+    s.add_request(structured_request("first"))
+    s.update(s.schedule(), RunnerOutput(grammars_ready=["first"]))
+    s.add_request(structured_request("second"))
+    step = s.schedule()
+    assert {x.request_id for x in step.scheduled} == {"first", "second"} and not step.grammars
+    s.preempt_all()
+    s.add_request(structured_request("third"))
+    assert "third" in s.schedule().grammars, "a restarted worker compiles it again"
+
+
 def test_with_nothing_else_to_run_one_step_waits_for_the_compile():
     s = make_scheduler()
     s.add_request(structured_request("g"))
