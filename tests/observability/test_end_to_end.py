@@ -28,6 +28,9 @@ from tests.services.stack import ROOT, stream
 pytestmark = pytest.mark.slow
 
 MAX_NUM_SEQS = 3
+LOAD_TOKENS = 60
+"""Tokens per load request, plus i % 5: enough that the load outlasts a few metric snapshots (0.3 s
+apart), so the scraper sees requests running (with 4 tokens the load sometimes ended between two)."""
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN_ID = "00f067aa0ba902b7"
 
@@ -197,7 +200,7 @@ def test_metrics_under_load_match_what_was_sent(observed):
         watcher.join()
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     completion_tokens = sum(r["completion_tokens"] for r in results)
-    assert completion_tokens == sum(4 + i % 5 for i in range(num))  # ignore_eos: exactly max_tokens
+    assert completion_tokens == sum(LOAD_TOKENS + i % 5 for i in range(num))  # ignore_eos: exactly max_tokens
 
     # while it ran: running within each engine's bound, KV usage a fraction, reservation >= use
     assert seen["vllm:num_requests_running"]
@@ -270,7 +273,7 @@ async def send_load(serve, num: int) -> list[dict]:
     async with httpx.AsyncClient(base_url=serve.http_url, timeout=120) as client:
         async def one(i: int) -> dict:
             r = await client.post("/v1/completions", json={
-                "model": serve.model, "prompt": f"request {i}: " + "x " * (i % 7), "max_tokens": 4 + i % 5,
+                "model": serve.model, "prompt": f"request {i}: " + "x " * (i % 7), "max_tokens": LOAD_TOKENS + i % 5,
                 "temperature": 0, "ignore_eos": True})
             assert r.status_code == 200, r.text
             return r.json()["usage"]
