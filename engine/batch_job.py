@@ -28,7 +28,7 @@ def completion_record(c: Completion, request: GenerateRequest | None = None) -> 
         "text": c.text, "finish_reason": c.finish_reason.label if c.finish_reason is not None else None,
     }
     if request is not None and request.tools and c.finish_reason != FinishReason.ERROR:
-        _, calls = parse_tool_calls(c.text, request.tools, request.tool_choice)
+        _, calls = parse_tool_calls(c.text, request.tools, request.tool_choice, request.parallel_tool_calls)
         if calls:
             record["tool_calls"] = [msgspec.to_builtins(call) for call in calls]
     if c.logprobs is not None:

@@ -38,8 +38,8 @@ def main() -> None:
     print("json_schema:", paint)
 
     text = client.completions.create(model=model, prompt="Phone: ", max_tokens=16,
-                                     extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}}).choices[0].text
-    assert re.fullmatch(r"\d{3}-\d{4}", text), text
+                                     extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}).choices[0].text
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text), text
     print("regex:", text)
 
     choice = client.chat.completions.create(model=model, messages=ask, max_tokens=8,

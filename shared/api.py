@@ -54,6 +54,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tools: list[Tool] | None = None
     """With messages: OpenAI's tools, offered through the chat template; the final event has `tool_calls`."""
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    """OpenAI's: false allows at most one tool call."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -87,7 +89,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         given = {name: c for name, c in (
             ("structured_outputs", self.structured_outputs),
             ("response_format", self.response_format.structured() if self.response_format else None),
-            ("tool_choice", tool_constraint(self.tools, self.tool_choice))) if c is not None}
+            ("tool_choice", tool_constraint(self.tools, self.tool_choice, self.parallel_tool_calls))) if c is not None}
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} both constrain the output; give one")
         return next(iter(given.values()), None)

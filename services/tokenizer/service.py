@@ -86,11 +86,12 @@ class ActiveRequest:
     tools: list[Tool] | None = None
     """With tools the model may call: the final event carries the calls read from the whole output."""
     tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def tool_calls(self) -> list[ToolCall] | None:
         if not self.tools or effective_choice(self.tools, self.tool_choice) == "none":
             return None
-        return parse_tool_calls(self.detokenizer.text, self.tools, self.tool_choice)[1] or None
+        return parse_tool_calls(self.detokenizer.text, self.tools, self.tool_choice, self.parallel_tool_calls)[1] or None
 
 
 class TokenizerService:
@@ -151,7 +152,7 @@ class TokenizerService:
         trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
         state = self.active[request.id] = ActiveRequest(
             msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace,
-            tools=request.tools, tool_choice=request.tool_choice)
+            tools=request.tools, tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
         prime(state, resumed)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
                                      trace_context=self.telemetry.traceparent(trace), resume_token_ids=resumed)

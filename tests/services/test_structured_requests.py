@@ -195,3 +195,12 @@ def test_orca_generate_records_tool_calls_and_names_bad_constraints():
     assert "line 2" in records["bad"]["error"] and "invalid structured_outputs.regex" in records["bad"]["error"]
     assert "line 4" in records["unknown"]["error"] and "'fly'" in records["unknown"]["error"]
     assert records["plain"]["text"] == "yes" and "tool_calls" not in records["plain"]
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    body = {"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}
+    two_calls = REQUIRED_OUTPUT[:-1] + "," + REQUIRED_OUTPUT[1:]
+    nc, _ = run_tokens(body, two_calls)
+    [request] = submitted(nc)
+    assert json.loads(request.params.structured_outputs.json)["maxItems"] == 1
+    assert len(nc.events()[-1]["tool_calls"]) == 1
