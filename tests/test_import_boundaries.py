@@ -21,3 +21,13 @@ def test_control_plane_module_imports_neither_torch_nor_triton(module):
             "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"{module} pulled in {out.stdout.strip()}"
+
+
+def test_checking_a_constraint_imports_neither_torch_nor_triton():
+    """The gateway and the NATS tokenizer check every schema, regex and grammar a user sends (llguidance)."""
+    code = ("import sys; from shared.structured import StructuredOutputs as S; "
+            "S(json={'type': 'object', 'properties': {'a': {'type': 'integer'}}}).validate(); "
+            "S(regex='[a-z]+').validate(); S(grammar='start: \"x\"').validate(); "
+            "print(sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"checking a constraint pulled in {out.stdout.strip()}"
