@@ -108,7 +108,7 @@ class Worker:
         return StepResult(scheduler_output.iteration, output, execute_s=time.perf_counter() - start)
 
     def _run(self, scheduler_output: SchedulerOutput):
-        """The forward pass (in a thread), where a test's injected fault strikes."""
+        """The forward pass, where a test's injected fault strikes."""
         if self.fault_file is not None:
             inject_fault(self.fault_file)
         return self.runner.execute(scheduler_output)
