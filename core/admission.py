@@ -13,7 +13,7 @@ so that nothing waits forever.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.liveness import Heartbeats
 from shared.messages import STATUS_EXPIRY_S, EngineStatus, TokenizedRequest
@@ -27,6 +27,8 @@ class QueueFull(Exception):
 class EngineView:
     status: EngineStatus
     sent_sequence: int = 0
+    unacked: dict[int, tuple[float, list[TokenizedRequest]]] = field(default_factory=dict)
+    """Admits sent and not yet acknowledged by a status: sequence -> (when last sent, requests)."""
 
     @property
     def acknowledged(self) -> bool:
@@ -72,6 +74,8 @@ class AdmissionQueue:
             self.engines[status.replica] = EngineView(status, status.last_admit_sequence)
         else:
             view.status = status
+            for sequence in [s for s in view.unacked if s <= status.last_admit_sequence]:
+                del view.unacked[sequence]
 
     def forget_engine(self, replica: str) -> None:
         self.engines.pop(replica, None)
@@ -98,7 +102,7 @@ class AdmissionQueue:
         self.queue.clear()
         return starved
 
-    def decide(self) -> list[tuple[str, int, list[TokenizedRequest]]]:
+    def decide(self, now: float = 0.0) -> list[tuple[str, int, list[TokenizedRequest]]]:
         """Admit from the head of the queue, FCFS, while some engine reported room; returns
         (replica, admit sequence, requests) per engine offered work."""
         room = {name: (v.status.admissible_blocks, v.status.max_num_seqs - v.status.num_running - v.status.num_waiting)
@@ -116,8 +120,20 @@ class AdmissionQueue:
         for replica, requests in batches.items():
             view = self.engines[replica]
             view.sent_sequence += 1
+            view.unacked[view.sent_sequence] = (now, requests)
             decisions.append((replica, view.sent_sequence, requests))
         return decisions
+
+    def unacknowledged(self, now: float, older_than_s: float) -> list[tuple[str, int, list[TokenizedRequest]]]:
+        """Admits no status has acknowledged for `older_than_s` (lost on the way, with NATS away, or
+        the acknowledgement was): to send again, now, as they were (the engine drops a repeat)."""
+        again = []
+        for replica, view in self.engines.items():
+            for sequence, (sent_at, requests) in sorted(view.unacked.items()):
+                if now - sent_at >= older_than_s:
+                    view.unacked[sequence] = (now, requests)
+                    again.append((replica, sequence, requests))
+        return again
 
     def _pick(self, request: TokenizedRequest, room: dict[str, tuple[int, int]]) -> str | None:
         """The engine with the most free blocks that can take the request's reservation."""

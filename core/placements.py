@@ -34,6 +34,8 @@ class Tracked:
     """(replica, incarnation) that holds it; None while admission does (or nobody yet)."""
     bounced_at: float | None = None
     """When NATS said no admission received it (it waits for an admission to come back)."""
+    left: frozenset[tuple[str, str]] = frozenset()
+    """Engines it was moved away from: their late outputs belong to a copy that no longer counts."""
 
 
 @dataclass
@@ -54,7 +56,29 @@ class Placements:
         self.admission_at: float | None = None
 
     def submitted(self, tokenized: TokenizedRequest) -> None:
-        self.tracked[tokenized.request_id] = Tracked(tokenized)
+        before = self.tracked.get(tokenized.request_id)
+        left: frozenset[tuple[str, str]] = frozenset()
+        if before is not None:
+            left = before.left | ({before.engine} if before.engine is not None else set())
+        self.tracked[tokenized.request_id] = Tracked(tokenized, left=left)
+
+    def engine_of(self, request_id: str) -> str | None:
+        """`engine_source` of the engine incarnation that holds it, if known."""
+        tracked = self.tracked.get(request_id)
+        return f"{tracked.engine[0]}/{tracked.engine[1]}" if tracked is not None and tracked.engine else None
+
+    def output_from(self, request_id: str, source: str) -> bool:
+        """An engine output for the request arrived from `source`: whether it counts (not from an engine
+        the request was moved away from). It also places the request there if its `Placed` was lost."""
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return True
+        engine = tuple(source.split("/", 1))
+        if engine in tracked.left:
+            return False
+        if tracked.engine is None and len(engine) == 2:
+            tracked.engine, tracked.bounced_at = (engine[0], engine[1]), None
+        return True
 
     def bounced(self, request_id: str, now: float) -> None:
         tracked = self.tracked.get(request_id)

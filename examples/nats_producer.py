@@ -1,6 +1,11 @@
 """Stream a generation over core NATS from a running `orca serve`.
 
     python examples/nats_producer.py --nats-url nats://127.0.0.1:4222 --prompt "def main():"
+
+The stream arrives whole through a NATS restart, a cluster failover or a tokenizer's death:
+`shared.client.generate` follows the README's client rule (events in `seq` order, a replay from
+`orca.v1.generate.replay` after a gap, a silence or a reconnect, a resend when nobody holds the
+request).
 """
 
 from __future__ import annotations
@@ -12,19 +17,16 @@ import uuid
 
 import nats
 
+from shared.client import generate
 
-async def generate(nats_url: str, body: dict, timeout_s: float = 60.0) -> dict:
-    nc = await nats.connect(nats_url)
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    await nc.publish("orca.v1.generate", json.dumps(body).encode(), reply=inbox)
+
+async def stream(nats_url: str, body: dict, timeout_s: float = 120.0) -> dict:
+    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
     try:
-        while True:
-            event = json.loads((await sub.next_msg(timeout=timeout_s)).data)
-            print(event["text"], end="", flush=True)
-            if event["finish_reason"] is not None:
-                print()
-                return event
+        events = await generate(nc, body, timeout_s=timeout_s,
+                                on_event=lambda event: print(event["text"], end="", flush=True))
+        print()
+        return events[-1]
     finally:
         await nc.close()
 
@@ -36,7 +38,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     body = {"id": uuid.uuid4().hex, "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0}
-    final = asyncio.run(generate(args.nats_url, body))
+    final = asyncio.run(stream(args.nats_url, body))
     print(json.dumps({k: final[k] for k in ("finish_reason", "usage") if k in final}))
 
 

@@ -47,6 +47,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Resending a request whose tokenizer died (no tokenizer answers `orca.v1.generate.held` for
     its id): the token ids already received. The stream continues after them, to the same reply
     subject, as if it had never stopped (README, "When things fail")."""
+    resume_seq: int = 0
+    """With resume_token_ids: the number of events already received, so the resent stream's events
+    continue their `seq` numbering."""
     structured_outputs: StructuredOutputs | None = None
     """vLLM's names: exactly one of json (a schema), json_object, regex, choice or grammar."""
     response_format: ResponseFormat | None = None
@@ -69,6 +72,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("prompt is empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids is empty")
+        if self.resume_seq < 0:
+            raise ValueError("resume_seq must be >= 0")
         if (self.tools or self.tool_choice is not None) and self.messages is None:
             raise ValueError("tools and tool_choice need messages (the chat template offers the tools)")
         check_tools(self.tools, self.tool_choice)
@@ -132,7 +137,9 @@ def event_logprobs(logprobs: tuple[TokenLogprob, ...] | list[TokenLogprob]) -> l
 
 class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """One streamed event on a NATS generate request's reply subject (JSON). The last one has
-    `finish_reason` set ("stop", "length", "abort" or "error") and `usage`."""
+    `finish_reason` set ("stop", "length", "abort" or "error") and `usage`. `seq` numbers a
+    stream's events 0, 1, 2, ... (absent means 0): a client that sees a gap or a repeat, or
+    reconnects, can tell, and asks for a replay (`ReplayRequest`)."""
 
     id: str | None
     token_ids: list[int]
@@ -147,6 +154,23 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     tool_calls: list[ToolCall] | None = None
     """On the final event of a request with tools, when the model called any: parsed from the whole
     output (the events' `text`, joined, is that output as the model wrote it)."""
+    seq: int = 0
+
+
+class ReplayRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`orca.v1.generate.replay`: the tokenizer that holds request `id` (also for a while after its
+    last event) publishes its events from `from_seq` on to the request's reply subject again, then
+    answers `ReplayReply`. None answers for a request nobody holds: resend it (`resume_token_ids`)."""
+
+    id: str
+    from_seq: int = 0
+
+
+class ReplayReply(msgspec.Struct, frozen=True):
+    id: str
+    held: bool = True
+    next_seq: int = 0
+    """The seq the next new event will carry (events up to it were just sent again)."""
 
 
 class AbortRequest(msgspec.Struct, frozen=True):
@@ -163,6 +187,7 @@ class HeldReply(msgspec.Struct, frozen=True):
 
 _json_encoder = msgspec.json.Encoder()
 _abort_decoder = msgspec.json.Decoder(AbortRequest)
+_replay_decoder = msgspec.json.Decoder(ReplayRequest)
 
 
 def encode_json(message: object) -> bytes:
@@ -172,5 +197,12 @@ def encode_json(message: object) -> bytes:
 def decode_abort(data: bytes) -> AbortRequest:
     try:
         return _abort_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+def decode_replay(data: bytes) -> ReplayRequest:
+    try:
+        return _replay_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(str(exc)) from None

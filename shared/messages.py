@@ -101,8 +101,37 @@ class IterationOutputs(msgspec.Struct, frozen=True, array_like=True):
 
     outputs: list[RequestOutput]
     source: str = ""
-    """`engine_source(replica, incarnation)` of the engine that sent them ("" from admission): a
-    tokenizer drops outputs from an engine it has moved a request away from."""
+    """`engine_source(replica, incarnation)` of the engine that sent them ("" from admission)."""
+    seq: int = -1
+    """From an engine: this message's number in the stream from that source to that tokenizer (0, 1,
+    2, ...). A tokenizer that sees a gap, or reconnects to NATS, asks for the rest (`OutputsReplay`);
+    -1 from admission, whose rare messages are not numbered."""
+
+
+class OutputsReplay(msgspec.Struct, frozen=True):
+    """tokenizer -> one engine master (request/reply): send again the messages of the stream to
+    `owner` from `from_seq` on; they go to the owner's detok subject as before, then this is answered."""
+
+    owner: str
+    incarnation: str
+    """The engine incarnation the owner heard from: another one has nothing of that stream."""
+    from_seq: int
+
+
+class OutputsReplayed(msgspec.Struct, frozen=True):
+    """The answer to an OutputsReplay: `ok` False when the messages asked for are no longer kept
+    (older than the replay window) or the incarnation is gone."""
+
+    ok: bool
+    next_seq: int = 0
+
+
+class WorkerResync(msgspec.Struct, frozen=True):
+    """worker -> its engine master, after the worker reconnected to NATS (step messages sent while it
+    was away may be lost): the last iteration it ran; the master sends the iterations in flight again."""
+
+    rank: int
+    last_iteration: int
 
 
 def engine_source(replica: str, incarnation: str) -> str:

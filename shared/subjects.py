@@ -11,6 +11,7 @@ PREFIX = "orca.v1"
 # Public API (JSON bodies)
 GENERATE = f"{PREFIX}.generate"  # request/stream: events go to the request's reply subject
 GENERATE_HELD = f"{PREFIX}.generate.held"  # request {"id"}: the tokenizer holding it answers {"id", "held"}
+GENERATE_REPLAY = f"{PREFIX}.generate.replay"  # request {"id", "from_seq"}: the holder sends those events again
 ABORT = f"{PREFIX}.abort"  # {"id": ...}
 JOBS_SUBMIT = f"{PREFIX}.jobs.submit"  # JetStream work queue, deduplicated by Nats-Msg-Id
 JOBS_RESULT_PREFIX = f"{PREFIX}.jobs.result"
@@ -46,6 +47,16 @@ def engine_step(replica: str) -> str:
 def engine_result(replica: str) -> str:
     """workers -> engine master: StepResult, one per iteration."""
     return f"{PREFIX}.engine.{replica}.result"
+
+
+def engine_replay(replica: str) -> str:
+    """tokenizer -> engine master (request/reply): OutputsReplay."""
+    return f"{PREFIX}.engine.{replica}.replay"
+
+
+def engine_resync(replica: str) -> str:
+    """worker -> its engine master: WorkerResync, after a reconnect."""
+    return f"{PREFIX}.engine.{replica}.resync"
 
 
 def placed(tokenizer_instance: str) -> str:

@@ -37,6 +37,9 @@ request_codec = Codec(TokenizedRequest)
 status_codec = Codec(EngineStatus)
 TICK_S = 0.25
 """How often engines' heartbeats are checked: a silent engine is dropped within expiry + this."""
+ADMIT_RESEND_S = 1.0
+"""An Admit no engine status has acknowledged for this long is sent again (an engine reports at least
+every HEARTBEAT_S, and at once after an Admit)."""
 
 
 class AdmissionService:
@@ -58,10 +61,14 @@ class AdmissionService:
         on_reconnect(self.nc, self.on_reconnected)
 
     def on_reconnected(self) -> None:
-        """Admits sent while NATS was away may be lost, and an engine that never echoes one would
-        never be offered work again: relearn every engine from its next status instead."""
-        for replica in list(self.queue.engines):
-            self.queue.forget_engine(replica)
+        """Admits sent while NATS was away may be lost: those not acknowledged go again at once."""
+        asyncio.get_running_loop().create_task(self._send_again(older_than_s=0.0))
+
+    async def _send_again(self, older_than_s: float = ADMIT_RESEND_S, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for replica, sequence, requests in self.queue.unacknowledged(now, older_than_s):
+            log.warning("admit %d to engine %s not acknowledged; sending it again", sequence, replica)
+            await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
 
     async def stop(self) -> None:
         for task in (self._heartbeat, self._watch):
@@ -75,8 +82,9 @@ class AdmissionService:
             await self.check_engines(time.monotonic())
 
     async def check_engines(self, now: float) -> None:
-        """Drop engines silent past the expiry (at once: nothing more is routed to them), and end
-        what waited too long for any engine at all."""
+        """Drop engines silent past the expiry (at once: nothing more is routed to them), end what
+        waited too long for any engine at all, and send again the admits still unacknowledged."""
+        await self._send_again(now=now)
         gone = self.queue.expire(now)
         if gone:
             log.warning("engine(s) %s silent for %.0f s: no longer routed to", gone, self.queue.heartbeats.expiry_s)
@@ -127,7 +135,7 @@ class AdmissionService:
             await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(request_id, FinishReason.ABORT)))
 
     async def _admit(self) -> None:
-        for replica, sequence, requests in self.queue.decide():
+        for replica, sequence, requests in self.queue.decide(time.monotonic()):
             self.telemetry.on_admitted(replica, requests)
             await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
             await self._tell_owners(replica, requests)

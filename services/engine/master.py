@@ -18,6 +18,16 @@ The incarnation names what this master holds: it changes when the master restart
 are gone; their tokenizers resume them, with the tokens already streamed) and when the master
 finds its own heartbeat was stalled for long (it was hung, others have given its requests up, so
 it drops them too). A worker that dies does not change it: the master resumes those requests itself.
+
+NATS may go away for a while (a restart, a failover between cluster nodes) and core NATS keeps
+nothing for a subscriber that is away. The engine keeps running, and no message is lost for good:
+- outputs: each message to a tokenizer carries a sequence per tokenizer, and the last
+  OUTPUTS_WINDOW_S of them are kept, so a tokenizer that missed some asks for them again;
+- steps: after a reconnect of either side (the master's own, a worker's `WorkerResync`) the
+  iterations in flight are sent again; a worker runs each iteration once and answers a repeat
+  with the result it kept; the step timeout does not count the time NATS was away;
+- admits: admission sends an Admit again until this engine's status acknowledges it; the
+  acknowledgement only moves past admits that all arrived, and a repeat is dropped.
 """
 
 from __future__ import annotations
@@ -35,17 +45,26 @@ from nats.aio.msg import Msg
 from core.batch import SchedulerOutput, StepResult
 from core.request import Request
 from core.scheduler import Scheduler
+from core.streams import ReplayLog
+from services.bus import on_reconnect
 from services.engine.telemetry import EngineTelemetry
-from services.engine.workers import WorkerDied, WorkerGroup
+from services.engine.workers import StepTimedOut, WorkerDied, WorkerGroup
 from shared import subjects
 from shared.codec import Codec
 from shared.config import EngineConfig
 from shared.messages import (HEARTBEAT_S, MAX_RESUMES, STATUS_EXPIRY_S, Admit, Cancel, EngineStatus,
-                             IterationOutputs, TokenizedRequest, engine_source)
+                             IterationOutputs, OutputsReplay, OutputsReplayed, TokenizedRequest, WorkerResync,
+                             engine_source)
 from shared.outputs import FinishReason, RequestOutput
 
 log = logging.getLogger("orca.engine")
 admit_codec, cancel_codec, result_codec = Codec(Admit), Codec(Cancel), Codec(StepResult)
+replay_codec, resync_codec = Codec(OutputsReplay), Codec(WorkerResync)
+OUTPUTS_WINDOW_S = 30.0
+"""Outputs sent to tokenizers are kept this long for replays (a NATS outage longer than this loses
+the outputs sent meanwhile: the requests concerned end with an error)."""
+MAX_OUTPUTS_KEPT = 20_000
+"""Messages kept per tokenizer at most, whatever their age."""
 RECENT_CANCELS = 10_000
 ITERATION_LOG_LENGTH = 10_000
 STALL_RESET_S = STATUS_EXPIRY_S - 1.0
@@ -82,6 +101,8 @@ class InFlight:
     output: SchedulerOutput
     result: asyncio.Future[StepResult]
     started: float  # time.perf_counter() when it was scheduled
+    data: bytes = b""
+    """The step message, kept to send again after a reconnect."""
 
 
 class EngineMaster:
@@ -109,6 +130,12 @@ class EngineMaster:
         self._wake = asyncio.Event()
         self._in_flight: deque[InFlight] = deque()
         self.max_batches_in_flight = 0
+        self.outputs_sent: dict[str, ReplayLog] = {}
+        """Per tokenizer instance: the messages sent to it, numbered, for replays."""
+        self.admits_ahead: set[int] = set()
+        """Admit sequences applied beyond `last_admit_sequence` (one before them was lost, or is late)."""
+        self._bus_back_at = 0.0
+        """time.perf_counter() of the last reconnect to NATS: step timeouts count from it."""
 
     def _new_scheduler(self) -> Scheduler:
         parallel = self.config.parallel
@@ -119,6 +146,9 @@ class EngineMaster:
         await self.nc.subscribe(subjects.engine_admit(self.replica), cb=self.on_admit)
         await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
         await self.nc.subscribe(subjects.engine_result(self.replica), cb=self.on_result)
+        await self.nc.subscribe(subjects.engine_replay(self.replica), cb=self.on_replay)
+        await self.nc.subscribe(subjects.engine_resync(self.replica), cb=self.on_resync)
+        on_reconnect(self.nc, self.on_reconnected)
 
     # ---- the loop ----------------------------------------------------------------------
 
@@ -151,6 +181,7 @@ class EngineMaster:
             if now - last > STALL_RESET_S:
                 self.start_over(now - last)
             last = now
+            self._prune_outputs()
             await self.publish_status()
 
     def start_over(self, silent_s: float) -> None:
@@ -163,6 +194,8 @@ class EngineMaster:
         self.held.clear()
         self.incarnation = uuid.uuid4().hex[:12]
         self.last_admit_sequence = 0
+        self.admits_ahead.clear()
+        self.outputs_sent.clear()  # the new incarnation's streams start at 0
 
     async def step(self) -> None:
         """Fill the pipeline, then apply the oldest iteration's result (or, while the pipeline
@@ -191,14 +224,26 @@ class EngineMaster:
 
     async def _send(self, scheduler_output: SchedulerOutput, started: float) -> None:
         future = asyncio.get_running_loop().create_future()
-        self._in_flight.append(InFlight(scheduler_output, future, started))
+        data = Codec.encode(scheduler_output)
+        self._in_flight.append(InFlight(scheduler_output, future, started, data))
         self.max_batches_in_flight = max(self.max_batches_in_flight, len(self._in_flight))
         self.iteration_log.append((scheduler_output.iteration, [s.request_id for s in scheduler_output.scheduled],
                                    [f.output.iteration for f in self._in_flight]))
-        await self.nc.publish(subjects.engine_step(self.replica), Codec.encode(scheduler_output))
+        await self.nc.publish(subjects.engine_step(self.replica), data)
 
     async def _wait(self, in_flight: InFlight, interruptible: bool) -> StepResult | None:
-        timeout = max(0.0, in_flight.started + self.step_timeout_s - time.perf_counter())
+        """The result, or None when woken; the step timeout counts from the scheduling, or from NATS'
+        return when it was away meanwhile (a step lost with it is sent again, not taken for a hang)."""
+        while True:
+            since = max(in_flight.started, self._bus_back_at)
+            timeout = max(0.0, since + self.step_timeout_s - time.perf_counter())
+            try:
+                return await self._wait_once(in_flight, interruptible, timeout)
+            except StepTimedOut:
+                if self.nc.is_connected and self._bus_back_at <= since:
+                    raise
+
+    async def _wait_once(self, in_flight: InFlight, interruptible: bool, timeout: float) -> StepResult | None:
         if not interruptible:
             return await self.workers.wait(in_flight.result, timeout)
         self._wake.clear()
@@ -265,13 +310,19 @@ class EngineMaster:
 
     async def on_admit(self, msg: Msg) -> None:
         admit = admit_codec.decode(msg.data)
+        if admit.sequence <= self.last_admit_sequence or admit.sequence in self.admits_ahead:
+            await self.publish_status()  # a repeat (the status acknowledging it was lost, or late): echo again
+            return
         self.telemetry.on_admit(admit.requests)
         errors: list[RequestOutput] = []
         for tokenized in admit.requests:
             error = self._add(tokenized)
             if error is not None:
                 errors.append(error)
-        self.last_admit_sequence = max(self.last_admit_sequence, admit.sequence)
+        self.admits_ahead.add(admit.sequence)
+        while self.last_admit_sequence + 1 in self.admits_ahead:  # acknowledge only what all arrived
+            self.last_admit_sequence += 1
+            self.admits_ahead.discard(self.last_admit_sequence)
         await self.publish_outputs(errors)
         await self.publish_status()
         self._wake.set()
@@ -320,6 +371,48 @@ class EngineMaster:
             if in_flight.output.iteration == result.iteration and not in_flight.result.done():
                 in_flight.result.set_result(result)
 
+    # ---- NATS away and back ------------------------------------------------------------------
+
+    def on_reconnected(self) -> None:
+        self._bus_back_at = time.perf_counter()
+        asyncio.get_running_loop().create_task(self.resend_steps())
+
+    async def on_resync(self, msg: Msg) -> None:
+        resync = resync_codec.decode(msg.data)
+        log.warning("engine %s: worker %d is back on NATS after iteration %d; sending %d iterations again",
+                    self.replica, resync.rank, resync.last_iteration, len(self._in_flight))
+        self._bus_back_at = time.perf_counter()
+        await self.resend_steps()
+
+    async def resend_steps(self) -> None:
+        """The iterations in flight, in order, again: a worker runs the ones it missed and answers the
+        others with the results it kept."""
+        for in_flight in list(self._in_flight):
+            if not in_flight.result.done():
+                await self.nc.publish(subjects.engine_step(self.replica), in_flight.data)
+
+    async def on_replay(self, msg: Msg) -> None:
+        """A tokenizer missed some of the outputs sent to it: they go again, then the answer."""
+        replay = replay_codec.decode(msg.data)
+        sent = self.outputs_sent.get(replay.owner)
+        if replay.incarnation != self.incarnation:
+            missing = None
+        elif sent is None:
+            missing = [] if replay.from_seq == 0 else None
+        else:
+            missing = sent.since(replay.from_seq)
+        for data in missing or ():
+            await self.nc.publish(subjects.detok(replay.owner), data)
+        if msg.reply:
+            next_seq = sent.next_seq if sent is not None else 0
+            await self.nc.publish(msg.reply, Codec.encode(OutputsReplayed(missing is not None, next_seq)))
+
+    def _prune_outputs(self) -> None:
+        """Old messages go; each stream's numbering stays (its tokenizer expects the next number)."""
+        now = time.monotonic()
+        for sent in self.outputs_sent.values():
+            sent.prune(now)
+
     # ---- messages out --------------------------------------------------------------------
 
     async def publish_outputs(self, events: list[RequestOutput]) -> None:
@@ -332,8 +425,14 @@ class EngineMaster:
             if event.finish_reason is not None:
                 del self.held[event.request_id]
         source = engine_source(self.replica, self.incarnation)
+        now = time.monotonic()
         for owner, outputs in by_owner.items():
-            await self.nc.publish(subjects.detok(owner), Codec.encode(IterationOutputs(outputs, source)))
+            sent = self.outputs_sent.get(owner)
+            if sent is None:
+                sent = self.outputs_sent[owner] = ReplayLog(window_s=OUTPUTS_WINDOW_S, max_messages=MAX_OUTPUTS_KEPT)
+            data = Codec.encode(IterationOutputs(outputs, source, sent.next_seq))
+            sent.append(data, now)
+            await self.nc.publish(subjects.detok(owner), data)
 
     def status(self) -> EngineStatus:
         kv = self.scheduler.kv_cache

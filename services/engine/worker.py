@@ -5,6 +5,11 @@ step message per iteration on NATS. Under tensor/pipeline parallelism every work
 engine gets every step and runs its stage's part of it, exchanging tensors with its peers
 over torch.distributed; only the output rank answers, with one result message. A worker
 that fails a step answers too (with the error), so the master never waits out a timeout.
+
+Step messages may be lost while NATS is away, or arrive twice (the master sends the iterations in
+flight again after a reconnect): a worker runs each iteration once, in order, answers a repeat with
+the result it kept, holds an iteration that arrives before the one it lacks, and after its own
+reconnect tells the master the last iteration it ran (`WorkerResync`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import socket
 import time
 import traceback
+from collections import OrderedDict
 from pathlib import Path
 
 from core.batch import SchedulerOutput, StepResult
@@ -22,9 +28,12 @@ from shared.parallel import ParallelRank
 from shared import env, subjects
 from shared.codec import Codec
 from shared.config import EngineConfig
+from shared.messages import WorkerResync
 
 log = logging.getLogger("orca.worker")
 step_codec = Codec(SchedulerOutput)
+RESULTS_KEPT = 8
+"""Results kept to answer a repeated step (more than the master ever has in flight)."""
 
 
 class Worker:
@@ -39,6 +48,10 @@ class Worker:
         self.fault_file = env.fault_injection_file()  # tests only; None in production
         self._subscribed = asyncio.Event()
         self._steps: asyncio.Queue = asyncio.Queue()
+        self.last_iteration: int | None = None
+        """The last iteration run (None before the first, after a (re)start)."""
+        self._results: OrderedDict[int, bytes] = OrderedDict()
+        self._ahead: dict[int, SchedulerOutput] = {}
 
     def rendezvous_address(self) -> str:
         """A tcp:// address on this worker's node for the engine's torch.distributed group."""
@@ -73,16 +86,18 @@ class Worker:
 
         if self._subscribed.is_set():
             return  # already serving: one loop per worker
+        from services.bus import on_reconnect
+
         nc = await connect(self.nats_url, f"orca-worker-{self.replica}-{self.rank.rank}")
         self.runner.requests.clear()  # a (re)start begins with no request state
+        self.last_iteration, self._results, self._ahead = None, OrderedDict(), {}
         await nc.subscribe(subjects.engine_step(self.replica), cb=self._enqueue)
+        on_reconnect(nc, lambda: asyncio.get_running_loop().create_task(self._resync(nc)))
         self._subscribed.set()
         try:
             while True:
-                data = await self._steps.get()
-                result = await self._execute(data)
-                if result is not None:
-                    await nc.publish(subjects.engine_result(self.replica), Codec.encode(result))
+                for data in self.take(step_codec.decode(await self._steps.get())):
+                    await nc.publish(subjects.engine_result(self.replica), data)
         finally:
             self._subscribed.clear()
             await nc.close()
@@ -90,8 +105,34 @@ class Worker:
     async def _enqueue(self, msg) -> None:
         await self._steps.put(msg.data)
 
-    async def _execute(self, data: bytes) -> StepResult | None:
-        scheduler_output = step_codec.decode(data)
+    async def _resync(self, nc) -> None:
+        last = -1 if self.last_iteration is None else self.last_iteration
+        await nc.publish(subjects.engine_resync(self.replica), Codec.encode(WorkerResync(self.rank.rank, last)))
+
+    def take(self, step: SchedulerOutput) -> list[bytes]:
+        """Run a step message, once and in order: the encoded results to send (a repeat's kept one;
+        none from a rank that does not answer, or for a step held until the one before it arrives)."""
+        iteration, last = step.iteration, self.last_iteration
+        if last is not None and iteration <= last:
+            kept = self._results.get(iteration)
+            return [kept] if kept is not None else []
+        if last is not None and iteration > last + 1:
+            self._ahead[iteration] = step
+            return []
+        answers = []
+        while step is not None:
+            result = self._execute(step)
+            self.last_iteration = step.iteration
+            if result is not None:
+                data = Codec.encode(result)
+                self._results[step.iteration] = data
+                while len(self._results) > RESULTS_KEPT:
+                    self._results.popitem(last=False)
+                answers.append(data)
+            step = self._ahead.pop(step.iteration + 1, None)
+        return answers
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> StepResult | None:
         start = time.perf_counter()
         try:
             # On the loop's thread, not handed to one: there the forward pass and the loop (NATS, Ray's actor
@@ -114,7 +155,8 @@ class Worker:
         return self.runner.execute(scheduler_output)
 
     async def reset(self) -> None:
-        """Drop all request state (the master failed every request after a bad step)."""
+        """Drop all request state (the master failed every request after a bad step); iterations go on
+        being numbered where they were."""
         if self.runner is not None:
             self.runner.requests.clear()
 

@@ -25,6 +25,10 @@ class WorkerDied(Exception):
     pass
 
 
+class StepTimedOut(WorkerDied):
+    """No result within the step timeout: a hung forward pass, or a step lost while NATS was away."""
+
+
 class WorkerGroup(Protocol):
     async def start(self) -> None: ...
     async def wait(self, result: asyncio.Future[StepResult], timeout_s: float,
@@ -61,7 +65,7 @@ class RayWorkerGroup:
         if interrupt is not None and interrupt in done:
             return None
         if not done:
-            raise WorkerDied(f"no step result within {timeout_s:.0f} s (hung forward pass?)")
+            raise StepTimedOut(f"no step result within {timeout_s:.0f} s (hung forward pass?)")
         failed = next(iter(done))
         raise WorkerDied(f"a worker stopped: {failed.exception() or 'serve() returned'}")
 

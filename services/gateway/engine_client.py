@@ -35,7 +35,6 @@ admission_codec = Codec(AdmissionStatus)
 engine_codec = Codec(EngineStatus)
 tokenizer_codec = Codec(TokenizerStatus)
 
-BUS_RESTARTED = "the connection to the message bus (NATS) dropped while this request ran; retry"
 NO_TOKENIZER = "no tokenizer service is listening; retry later"
 
 
@@ -161,11 +160,9 @@ class EngineClient:
         on_reconnect(self.nc, self._on_reconnected)
 
     def _on_reconnected(self) -> None:
-        """Events sent here while NATS was away are lost: end every request in flight with an error
-        now rather than let its stream stop short or wait forever (the tokenizer aborts them too)."""
-        for request_id, (generation, index) in list(self.routes.items()):
-            if request_id in generation.unfinished:
-                generation.deliver(index, Event(request_id, [], "", "error", error=BUS_RESTARTED))
+        """Events sent here while NATS was away may be lost: every stream asks for a replay of what it
+        lacks (the requests kept running in the engines meanwhile)."""
+        self.watch.check_all_soon()
 
     async def wait_for_status(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -218,7 +215,7 @@ class EngineClient:
         if request_id not in route[0].unfinished:
             return  # it already ended (e.g. here, when NATS reconnected): one final event only
         if msg.headers and msg.headers.get("Status") == "503" and self.watch.resending(request_id):
-            return  # a resend found no tokenizer yet: the watch tries again
+            return  # no tokenizer took it yet (one restarts, or NATS just came back): the watch sends it again
         if msg.headers and msg.headers.get("Status") == "503":  # NATS: nobody subscribes to generate
             route[0].deliver(route[1], Event(request_id, [], "", "error", error=NO_TOKENIZER))
             return
@@ -227,8 +224,8 @@ class EngineClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("bad event for %s: %s", request_id, exc)
             return
-        self.watch.saw(request_id, event)
-        route[0].deliver(route[1], event)
+        if self.watch.take(request_id, event):
+            route[0].deliver(route[1], event)
 
     def _give_up(self, request_id: str, error: str) -> None:
         route = self.routes.get(request_id)

@@ -1,13 +1,16 @@
-"""The gateway, as a NATS client, outlives the tokenizer that serves one of its streams.
+"""The gateway, as a NATS client, gets every stream whole: it outlives both a NATS outage and the
+tokenizer that serves one of its streams (the client rule of the README, "When things fail").
 
-A tokenizer owns a stream until its last event; if it dies (or hangs) the engine's tokens have
-nowhere to go. So the gateway follows the client rule of the README ("When things fail"): a
-stream silent for SILENCE_S is checked with `orca.v1.generate.held`; when no tokenizer says it
-holds it, the request is sent again, to the same reply subject, with `resume_token_ids` = the
-tokens this gateway has received. Another tokenizer (or the restarted one) continues the stream
-from there, so the HTTP client sees one whole stream. A tokenizer that does still hold it only
-takes the resend as a reattachment. While no tokenizer listens at all (NATS answers 503), the
-resend is retried; after RESUME_DEADLINE_S of that the stream ends with an error.
+Events are numbered (`seq`). The watch takes them only in order (core/streams.py): a repeat is
+dropped, a gap asks the tokenizer for a replay from the first event missing
+(`orca.v1.generate.replay`). A stream silent for SILENCE_S, and every stream after this gateway
+reconnects to NATS, is asked for a replay the same way: the tokenizer holding it sends what this
+gateway lacks (nothing, for a queued or prefilling request) and answers. When no tokenizer answers,
+the one that held the stream is gone: the request is sent again, to the same reply subject, with
+`resume_token_ids` (the tokens received) and `resume_seq`; another tokenizer (or the restarted one)
+continues the stream from there, so the HTTP client sees one whole stream. While no tokenizer
+listens at all (NATS answers 503), the resend is retried; after RESUME_DEADLINE_S of that the
+stream ends with an error.
 """
 
 from __future__ import annotations
@@ -21,19 +24,21 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.client import Client
 
+from core.streams import Arrival, arrival
+from shared.client import NoAnswer, ask
 from shared import subjects
-from shared.api import AbortRequest, GenerateEvent, GenerateRequest, encode_json
+from shared.api import GenerateEvent, GenerateRequest, ReplayRequest, encode_json
 
 log = logging.getLogger("orca.gateway")
 SILENCE_S = 2.0
-"""A stream silent this long is checked (a queued or prefilling request is silent too: its
-tokenizer answers that it holds it, and it is left alone)."""
+"""A stream silent this long is asked for a replay (a queued or prefilling request is silent too: its
+tokenizer answers, with nothing to send again, and it is left alone)."""
 PROBE_TIMEOUT_S = 1.0
 RESUME_DEADLINE_S = 60.0
 """A stream whose tokenizer is gone, resent this long without any tokenizer taking it, ends."""
 CHECK_EVERY_S = 0.5
 MAX_PROBES = 32
-"""Probes in flight at once (a dead tokenizer may leave many streams silent together)."""
+"""Replay requests in flight at once (a dead tokenizer may leave many streams silent together)."""
 NO_TOKENIZER_CAME_BACK = "the tokenizer serving this request died and none took it over within {:.0f} s; retry"
 
 
@@ -43,8 +48,11 @@ class Watched:
     reply: str
     heard_at: float
     token_ids: list[int]
+    next_seq: int = 0
+    """The seq of the next event to take."""
     resending_since: float | None = None
-    """When it was first resent; None while a tokenizer is known to hold it."""
+    """When it was first resent (or first sent, until a tokenizer took it); None while a tokenizer
+    is known to hold it."""
 
 
 class StreamWatch:
@@ -58,42 +66,62 @@ class StreamWatch:
         self._busy: set[str] = set()
 
     def watch(self, request: GenerateRequest, reply: str) -> None:
-        self.watched[request.id] = Watched(request, reply, time.monotonic(), [])
+        now = time.monotonic()
+        self.watched[request.id] = Watched(request, reply, now, [], resending_since=now)
 
-    def saw(self, request_id: str, event: GenerateEvent) -> None:
+    def take(self, request_id: str, event: GenerateEvent) -> bool:
+        """Whether to deliver `event`: the next of its stream (a repeat is not, and a gap asks for a
+        replay at once)."""
         watched = self.watched.get(request_id)
         if watched is None:
-            return
+            return True
+        seen = arrival(watched.next_seq, event.seq)
+        if seen is Arrival.REPEAT:
+            return False
+        if seen is Arrival.GAP:
+            self.check_soon(request_id)
+            return False
+        watched.next_seq += 1
         if event.finish_reason is not None:
             del self.watched[request_id]
-            return
+            return True
         watched.token_ids += event.token_ids
         watched.heard_at, watched.resending_since = time.monotonic(), None
+        return True
 
     def forget(self, request_id: str) -> None:
         self.watched.pop(request_id, None)
 
     def resending(self, request_id: str) -> bool:
-        """Whether a 503 ("no tokenizer listens") for this request answers a resend: then it is
-        retried, not delivered as the stream's end."""
+        """Whether a 503 ("no tokenizer listens") for this request answers a send no tokenizer has taken
+        yet: then it is retried, not delivered as the stream's end."""
         watched = self.watched.get(request_id)
         return watched is not None and watched.resending_since is not None
+
+    def check_all_soon(self) -> None:
+        """After a reconnect: every stream may have missed events."""
+        for request_id in list(self.watched):
+            self.check_soon(request_id)
+
+    def check_soon(self, request_id: str) -> None:
+        if request_id in self.watched and request_id not in self._busy:
+            self._busy.add(request_id)
+            asyncio.get_running_loop().create_task(self._check(request_id, self.watched[request_id]))
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
             if not self.nc.is_connected:
-                continue  # the gateway ends every stream itself when NATS comes back (engine_client)
+                continue  # every stream is checked when NATS comes back (engine_client)
             now = time.monotonic()
             for request_id, watched in list(self.watched.items()):
-                if now - watched.heard_at >= SILENCE_S and request_id not in self._busy:
-                    self._busy.add(request_id)
-                    asyncio.get_running_loop().create_task(self._check(request_id, watched))
+                if now - watched.heard_at >= SILENCE_S:
+                    self.check_soon(request_id)
 
     async def _check(self, request_id: str, watched: Watched) -> None:
         try:
             async with self._probes:
-                held = await self._held(request_id)
+                held = await self._replayed(watched)
             if self.watched.get(request_id) is not watched:
                 return  # it ended meanwhile
             now = time.monotonic()
@@ -112,22 +140,19 @@ class StreamWatch:
         finally:
             self._busy.discard(request_id)
 
-    async def _held(self, request_id: str) -> bool:
-        """Whether a tokenizer answers that it holds the request. On a reply subject of its own,
-        not nats.py's `request`: that leaves a subscription behind for good at its first use."""
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
+    async def _replayed(self, watched: Watched) -> bool:
+        """Ask the tokenizer holding the request for its events from the first one not taken; whether
+        one answered (the events come to the stream's subject before the answer)."""
+        replay = ReplayRequest(watched.request.id, watched.next_seq)
         try:
-            await self.nc.publish(subjects.GENERATE_HELD, encode_json(AbortRequest(request_id)), reply=inbox)
-            msg = await sub.next_msg(timeout=PROBE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - a timeout: nobody holds it
+            await ask(self.nc, subjects.GENERATE_REPLAY, encode_json(replay), PROBE_TIMEOUT_S)
+        except NoAnswer:
             return False
-        finally:
-            await sub.unsubscribe()
-        return not (msg.headers and msg.headers.get("Status") == "503")  # "no responders": no tokenizer at all
+        return True
 
     async def _resend(self, watched: Watched) -> None:
         log.warning("stream %s: no tokenizer holds it; resending it after %d tokens", watched.request.id,
                     len(watched.token_ids))
-        resent = msgspec.structs.replace(watched.request, resume_token_ids=list(watched.token_ids))
+        resent = msgspec.structs.replace(watched.request, resume_token_ids=list(watched.token_ids),
+                                         resume_seq=watched.next_seq)
         await self.nc.publish(subjects.GENERATE, encode_json(resent), reply=watched.reply)

@@ -12,6 +12,13 @@ answers clients who ask whether it still holds their request (services/tokenizer
 Streams are coalesced, never delayed: the engine's messages land in an inbox that one writer task
 drains. A request's outputs that piled up while the writer was busy leave in one event carrying
 all their tokens (and a logprob per token); when the writer is idle, a lone token leaves at once.
+
+Nothing is lost when NATS goes away for a while (a restart, a failover between cluster nodes):
+both streams through this service are numbered (core/streams.py). The engine's messages to this
+instance carry a sequence per engine: a gap, or a reconnect, makes it ask that engine for the rest
+(`OutputsReplay`). Its own events carry `seq` per request, and each request's events are kept
+until REPLAY_WINDOW_S after its last, so a client that missed some asks for them again
+(`orca.v1.generate.replay`).
 """
 
 from __future__ import annotations
@@ -29,28 +36,34 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.detokenize import IncrementalDetokenizer
+from core.streams import Arrival, ReplayLog, arrival
 from engine.tokenizer import Tokenizer, render_messages
+from shared.client import NoAnswer, ask
 from services.bus import on_reconnect
 from services.tokenizer.recovery import Recovery, prime, reattach, resume_ids
 from services.tokenizer.telemetry import RequestTrace, TokenizerTelemetry
 from shared import subjects
-from shared.api import (AbortRequest, GenerateEvent, GenerateRequest, Usage, decode_generate_request, encode_json,
-                        event_logprobs)
+from shared.api import (AbortRequest, GenerateEvent, GenerateRequest, ReplayReply, Usage, decode_generate_request,
+                        decode_replay, encode_json, event_logprobs)
 from shared.codec import Codec
-from shared.messages import Cancel, IterationOutputs, TokenizedRequest
+from shared.messages import Cancel, IterationOutputs, OutputsReplay, OutputsReplayed, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput, TokenLogprob
 from shared.telemetry import SnapshotPublisher
 from shared.tools import Tool, ToolCall, ToolChoice, effective_choice, parse_tool_calls
 
 log = logging.getLogger("orca.tokenizer")
-outputs_codec = Codec(IterationOutputs)
+outputs_codec, replayed_codec = Codec(IterationOutputs), Codec(OutputsReplayed)
 
-RECONNECT_GRACE_S = 2.0
-"""After NATS comes back, wait this long before ending the interrupted requests: their clients
-reconnect too (nats.py retries every 0.5-2 s) and must have their reply subjects back first."""
+REPLAY_WINDOW_S = 30.0
+"""A request's events are kept this long after its last one, for a client that asks them again."""
+MAX_ENDED_KEPT = 10_000
+REPLAY_RETRY_S = 0.5
+REPLAY_GIVE_UP_S = 30.0
+"""An engine asked for missing outputs this long without an answer is left to the recovery rules
+(an engine silent that long has expired: its requests resume elsewhere)."""
+OUTPUTS_LOST = "the engine no longer had this request's outputs sent while the message bus (NATS) was away"
 RECENT_SUBMISSIONS = 10_000
 """Submissions remembered for a 'no responders' answer (it comes within a round trip, if at all)."""
-INTERRUPTED = "the message bus (NATS) restarted while this request ran; its output may be incomplete"
 SHUTTING_DOWN = "this orca-serve instance is shutting down; retry later"
 
 
@@ -67,11 +80,11 @@ class Taken:
     """A stop string matched: the engine does not know yet that the request ended."""
 
 
-def by_request(arrived: list[bytes]) -> dict[str, list[RequestOutput]]:
+def by_request(arrived: list[IterationOutputs]) -> dict[str, list[RequestOutput]]:
     """The outputs of several iterations' messages, per request in order (first arrival first)."""
     grouped: dict[str, list[RequestOutput]] = {}
-    for data in arrived:
-        for output in outputs_codec.decode(data).outputs:
+    for message in arrived:
+        for output in message.outputs:
             grouped.setdefault(output.request_id, []).append(output)
     return grouped
 
@@ -87,6 +100,9 @@ class ActiveRequest:
     """With tools the model may call: the final event carries the calls read from the whole output."""
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    events: ReplayLog = field(default_factory=ReplayLog)
+    """Every event sent so far (encoded), numbered from the request's `resume_seq`."""
+    ended_at: float | None = None
 
     def tool_calls(self) -> list[ToolCall] | None:
         if not self.tools or effective_choice(self.tools, self.tool_choice) == "none":
@@ -102,6 +118,11 @@ class TokenizerService:
         self.vocab_size = vocab_size
         self.instance = instance or uuid.uuid4().hex[:12]
         self.active: dict[str, ActiveRequest] = {}
+        self.ended: OrderedDict[str, ActiveRequest] = OrderedDict()
+        """Requests that sent their last event, kept REPLAY_WINDOW_S for replays."""
+        self.next_from: dict[str, int] = {}
+        """Per engine source: the seq of the next message expected from it."""
+        self._replaying: set[str] = set()
         # Submissions carry a reply subject only so that NATS answers "no responders" when no
         # admission service listens (it restarts, or NATS just did): the request then waits for one.
         self.bounce_inbox = nc.new_inbox()
@@ -120,6 +141,7 @@ class TokenizerService:
         await self.nc.subscribe(subjects.GENERATE, queue=subjects.TOKENIZER_QUEUE, cb=self.on_generate)
         await self.nc.subscribe(subjects.detok(self.instance), cb=self.on_outputs)
         await self.nc.subscribe(f"{self.bounce_inbox}.*", cb=self.on_bounce)
+        await self.nc.subscribe(subjects.GENERATE_REPLAY, cb=self.on_replay)
         on_reconnect(self.nc, self.on_reconnected)
         await self.recovery.start()
         self._writer = asyncio.get_running_loop().create_task(self._write_events())
@@ -130,7 +152,7 @@ class TokenizerService:
             log.warning("generate request without a reply subject dropped")
             return
         if self.draining:
-            await self._publish(msg.reply, GenerateEvent(_id_of(msg.data), [], "", "error", error=SHUTTING_DOWN))
+            await self._refuse(msg, SHUTTING_DOWN)
             return
         arrival_ns = time.time_ns()
         try:
@@ -146,13 +168,15 @@ class TokenizerService:
                 raise ValueError(f"request id {request.id!r} is already in use")
             resumed = resume_ids(request, self.vocab_size)
         except ValueError as exc:
-            self.telemetry.on_reject(_id_of(msg.data), msg.headers, str(exc))
-            await self._publish(msg.reply, GenerateEvent(_id_of(msg.data), [], "", "error", error=str(exc)))
+            self.telemetry.on_reject(_stream_of(msg.data)[0], msg.headers, str(exc))
+            await self._refuse(msg, str(exc))
             return
         trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
+        self.ended.pop(request.id, None)
         state = self.active[request.id] = ActiveRequest(
             msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace,
-            tools=request.tools, tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
+            tools=request.tools, tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
+            events=ReplayLog(first_seq=request.resume_seq))
         prime(state, resumed)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
                                      trace_context=self.telemetry.traceparent(trace), resume_token_ids=resumed)
@@ -169,8 +193,22 @@ class TokenizerService:
         return self.tokenizer.encode(request.prompt or "")
 
     async def on_outputs(self, msg: Msg) -> None:
-        """An engine message: into the inbox, for the writer (which may be busy writing)."""
-        self._arrived.append(msg.data)
+        """An engine message: into the inbox, for the writer (which may be busy writing), if it is
+        the next of its engine's stream."""
+        message = outputs_codec.decode(msg.data)
+        if message.source:
+            kept = [o for o in message.outputs if self.recovery.placements.output_from(o.request_id, message.source)]
+            if len(kept) < len(message.outputs):
+                message = msgspec.structs.replace(message, outputs=kept)
+        if message.seq >= 0:
+            seen = arrival(self.next_from.get(message.source, 0), message.seq)
+            if seen is Arrival.REPEAT:
+                return
+            if seen is Arrival.GAP:
+                self.replay_from(message.source)
+                return
+            self.next_from[message.source] = message.seq + 1
+        self._arrived.append(message)
         self._wakeup.set()
 
     async def _write_events(self) -> None:
@@ -195,15 +233,15 @@ class TokenizerService:
             await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(request_id, FinishReason.STOP)))
         logprobs = event_logprobs(taken.logprobs) if taken.logprobs else None
         if taken.reason is None:
-            await self._publish(state.reply, GenerateEvent(request_id, taken.token_ids, taken.text, None,
+            await self._publish_event(state, GenerateEvent(request_id, taken.token_ids, taken.text, None,
                                                            logprobs=logprobs))
             return
-        del self.active[request_id]
+        self._ended(request_id, state)
         self.telemetry.on_final(state.trace, taken.reason, len(state.prompt_token_ids), state.num_generated,
                                 taken.error)
         text = taken.text + state.detokenizer.flush()
         tool_calls = state.tool_calls() if taken.reason != FinishReason.ERROR else None
-        await self._publish(state.reply, GenerateEvent(
+        await self._publish_event(state, GenerateEvent(
             request_id, taken.token_ids, text, taken.reason.label,
             error=taken.error, usage=Usage(len(state.prompt_token_ids), state.num_generated),
             prompt_token_ids=state.prompt_token_ids, logprobs=logprobs, tool_calls=tool_calls))
@@ -227,8 +265,82 @@ class TokenizerService:
                 break
         return taken
 
-    async def _publish(self, subject: str, event: GenerateEvent) -> None:
-        await self.nc.publish(subject, encode_json(event))
+    async def _refuse(self, msg: Msg, error: str) -> None:
+        """A request refused at the door: its one event, numbered as the client expects next."""
+        request_id, seq = _stream_of(msg.data)
+        await self.nc.publish(msg.reply, encode_json(GenerateEvent(request_id, [], "", "error", error=error, seq=seq)))
+
+    async def _publish_event(self, state: ActiveRequest, event: GenerateEvent) -> None:
+        """The next event of a request's stream: numbered, kept for replays, sent."""
+        data = encode_json(msgspec.structs.replace(event, seq=state.events.next_seq))
+        state.events.append(data)
+        await self.nc.publish(state.reply, data)
+
+    def _ended(self, request_id: str, state: ActiveRequest) -> None:
+        """A request sends its last event: no longer active, kept a while for replays."""
+        self.active.pop(request_id, None)
+        now = time.monotonic()
+        state.ended_at = now
+        self.ended[request_id] = state
+        while self.ended and (len(self.ended) > MAX_ENDED_KEPT
+                              or now - next(iter(self.ended.values())).ended_at > REPLAY_WINDOW_S):
+            self.ended.popitem(last=False)
+
+    # ---- replays: a client that missed events; events this instance missed -------------------------
+
+    async def on_replay(self, msg: Msg) -> None:
+        """A client asks for a request's events from a seq on: they go to its reply subject again, then
+        the answer. An instance that does not hold the request says nothing."""
+        try:
+            replay = decode_replay(msg.data)
+        except ValueError:
+            return
+        state = self.active.get(replay.id) or self.ended.get(replay.id)
+        if state is None:
+            return
+        for data in state.events.since(max(replay.from_seq, 0)) or ():
+            await self.nc.publish(state.reply, data)
+        if msg.reply:
+            await self.nc.publish(msg.reply, encode_json(ReplayReply(replay.id, True, state.events.next_seq)))
+
+    def replay_from(self, source: str) -> None:
+        """Ask the engine `source` for its messages from the first one missing (once at a time)."""
+        if source in self._replaying or not source:
+            return
+        self._replaying.add(source)
+        task = asyncio.get_running_loop().create_task(self._replay(source))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _replay(self, source: str) -> None:
+        replica, incarnation = source.split("/", 1)
+        deadline = time.monotonic() + REPLAY_GIVE_UP_S
+        try:
+            while time.monotonic() < deadline and self._waits_on(source):
+                ask_for = OutputsReplay(self.instance, incarnation, self.next_from.get(source, 0))
+                try:
+                    answer = replayed_codec.decode((await ask(self.nc, subjects.engine_replay(replica),
+                                                              Codec.encode(ask_for), timeout_s=1.0)).data)
+                except NoAnswer:
+                    await asyncio.sleep(REPLAY_RETRY_S)
+                    continue
+                if not answer.ok:
+                    await self._outputs_lost(source)
+                return
+            log.warning("engine %s did not replay its outputs within %.0f s", source, REPLAY_GIVE_UP_S)
+        finally:
+            self._replaying.discard(source)
+
+    def _waits_on(self, source: str) -> bool:
+        return any(self.recovery.placements.engine_of(r) == source for r in self.active)
+
+    async def _outputs_lost(self, source: str) -> None:
+        """The engine no longer keeps what this instance missed (away longer than its window)."""
+        lost = [r for r in self.active if self.recovery.placements.engine_of(r) == source]
+        log.error("engine %s no longer has the outputs of %d requests sent while NATS was away", source, len(lost))
+        for request_id in lost:
+            state = self.active.pop(request_id)
+            await self._end_with_error(request_id, state, OUTPUTS_LOST)
 
     # ---- failures: admission away, NATS restarted, shutting down -------------------------------
 
@@ -248,21 +360,12 @@ class TokenizerService:
             self.recovery.bounced(request_id)
 
     def on_reconnected(self) -> None:
-        """Engine outputs sent to this instance while NATS was away are lost, so no request in flight
-        can be trusted to finish whole: each ends with an error event (never a silently cut output),
-        after a grace period that lets its client resubscribe, and is aborted to free its KV."""
-        interrupted = list(self.active.items())
-        self.active.clear()
-        if interrupted:
-            log.warning("NATS reconnected: ending %d interrupted requests with an error", len(interrupted))
-            task = asyncio.get_running_loop().create_task(self._end_later(interrupted))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _end_later(self, interrupted: list[tuple[str, ActiveRequest]]) -> None:
-        await asyncio.sleep(RECONNECT_GRACE_S)
-        for request_id, state in interrupted:
-            await self._end_with_error(request_id, state, INTERRUPTED)
+        """Engine messages sent here while NATS was away may be lost: ask every engine that holds a
+        request of this instance for its messages from the first not received (the clients ask this
+        instance for the events they missed the same way)."""
+        sources = {self.recovery.placements.engine_of(r) for r in self.active}
+        for source in sources - {None}:
+            self.replay_from(source)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop gracefully: refuse new requests (an error event says why), let those in flight finish
@@ -289,15 +392,21 @@ class TokenizerService:
         `active`); the abort frees whatever admission or an engine still holds of it."""
         self.telemetry.on_final(state.trace, FinishReason.ERROR, len(state.prompt_token_ids), state.num_generated,
                                 error)
+        self._ended(request_id, state)
         await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id)))
-        await self._publish(state.reply, GenerateEvent(
+        await self._publish_event(state, GenerateEvent(
             request_id, [], state.detokenizer.flush(), "error", error=error,
             usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids))
 
 
-def _id_of(data: bytes) -> str | None:
+def _stream_of(data: bytes) -> tuple[str | None, int]:
+    """The id and `resume_seq` of a request that may not parse."""
     try:
         value = msgspec.json.decode(data)
     except msgspec.DecodeError:
-        return None
-    return value.get("id") if isinstance(value, dict) and isinstance(value.get("id"), str) else None
+        return None, 0
+    if not isinstance(value, dict):
+        return None, 0
+    request_id, seq = value.get("id"), value.get("resume_seq")
+    return (request_id if isinstance(request_id, str) else None,
+            seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0)

@@ -18,6 +18,7 @@ import nats
 
 from services.nats_server import MAX_PAYLOAD, free_port, nats_server_binary
 from shared import subjects
+from shared.client import generate
 from tests.services.stack import descendants
 
 
@@ -85,114 +86,16 @@ async def connect(url: str) -> nats.NATS:
     return await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5)
 
 
-CLIENT_RECONNECT_GRACE_S = 10.0
-"""The client's side of a NATS restart: the tokenizer ends each interrupted stream with an error event
-2 s after it is back (RECONNECT_GRACE_S), but a client that took longer to resubscribe misses it. So
-a client whose connection reconnected, and that then hears nothing for this long, ends the stream
-itself (as the gateway does at once): it never waits forever."""
-CLIENT_GAVE_UP = "client: reconnected to NATS, and the stream's end never came"
+async def stream(nc, body: dict, timeout_s: float, stats: dict | None = None, on_event=None) -> list[dict]:
+    """One generate request's events up to the final one, as a client following the README's rule
+    (`shared.client.generate`: events in `seq` order, a replay after a gap, a silence or a reconnect,
+    a resend when no tokenizer holds the request, a 503 retried); TimeoutError if the final event does
+    not come within `timeout_s` (a lost request: the tests count it, they never wait forever). `stats`
+    counts "replays", "resends" and "retries"."""
+    return await generate(nc, body, timeout_s=timeout_s, stats=stats, on_event=on_event)
 
 
-async def stream(nc, body: dict, timeout_s: float) -> list[dict]:
-    """One generate request's events up to the final one; TimeoutError if that does not come
-    within `timeout_s` (a lost request: the tests count it, they never wait forever). After a
-    reconnect and CLIENT_RECONNECT_GRACE_S of silence, the last event is the client's own error."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    events: list[dict] = []
-    deadline = time.monotonic() + timeout_s
-    reconnects, silent_since = nc.stats["reconnects"], None
-    try:
-        await nc.publish("orca.v1.generate", json.dumps(body).encode(), reply=inbox)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{body['id']}: no final event within {timeout_s} s ({len(events)} events)")
-            try:
-                msg = await sub.next_msg(timeout=min(left, 1.0))
-            except nats.errors.TimeoutError:
-                if nc.stats["reconnects"] != reconnects:
-                    silent_since = silent_since or time.monotonic()
-                    if time.monotonic() - silent_since > CLIENT_RECONNECT_GRACE_S:
-                        events.append({"id": body["id"], "token_ids": [], "text": "", "finish_reason": "error",
-                                       "error": CLIENT_GAVE_UP})
-                        return events
-                continue
-            silent_since = None
-            if msg.headers and msg.headers.get("Status") == "503":  # no responders: no tokenizer listening
-                events.append({"id": body["id"], "token_ids": [], "text": "", "finish_reason": "error",
-                               "error": "no responders"})
-                return events
-            events.append(json.loads(msg.data))
-            if events[-1]["finish_reason"] is not None:
-                return events
-    finally:
-        await sub.unsubscribe()
-
-
-SILENCE_S = 2.0
-"""The client rule for a tokenizer's death (README, "When things fail"): a stream silent this long is
-checked on orca.v1.generate.held, and sent again with what it has if no tokenizer holds it."""
-NO_TOKENIZER_RETRY_S = 30.0
-"""While no tokenizer listens at all (NATS answers 503), a client retries this long."""
-
-
-async def resumable_stream(nc, body: dict, timeout_s: float, stats: dict | None = None) -> list[dict]:
-    """`stream`, as a client that outlives the tokenizer serving it: after SILENCE_S without an
-    event it asks whether a tokenizer holds the request; if none does, it sends the request again
-    to the same inbox with `resume_token_ids` (the tokens it has), and the stream goes on where it
-    stopped. A 503 (no tokenizer listens) is retried for NO_TOKENIZER_RETRY_S. TimeoutError if no
-    final event comes within `timeout_s`. `stats` counts "resends" and "retries"."""
-    stats = stats if stats is not None else {}
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    events: list[dict] = []
-    tokens: list[int] = []
-    deadline = time.monotonic() + timeout_s
-    heard, refused_since = time.monotonic(), None
-    try:
-        await nc.publish(subjects.GENERATE, json.dumps(body).encode(), reply=inbox)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{body['id']}: no final event within {timeout_s} s ({len(events)} events)")
-            try:
-                msg = await sub.next_msg(timeout=min(left, 0.5))
-            except nats.errors.TimeoutError:
-                if time.monotonic() - heard >= SILENCE_S:
-                    heard = time.monotonic()
-                    if not await _held(nc, body["id"]):
-                        stats["resends"] = stats.get("resends", 0) + 1
-                        await nc.publish(subjects.GENERATE, json.dumps({**body, "resume_token_ids": tokens}).encode(),
-                                         reply=inbox)
-                continue
-            heard = time.monotonic()
-            if msg.headers and msg.headers.get("Status") == "503":  # no tokenizer listens (one restarts)
-                refused_since = refused_since or heard
-                if heard - refused_since > NO_TOKENIZER_RETRY_S:
-                    events.append({"id": body["id"], "token_ids": [], "text": "", "finish_reason": "error",
-                                   "error": "no responders"})
-                    return events
-                stats["retries"] = stats.get("retries", 0) + 1
-                await asyncio.sleep(0.5)
-                await nc.publish(subjects.GENERATE, json.dumps({**body, "resume_token_ids": tokens}).encode(),
-                                 reply=inbox)
-                continue
-            refused_since = None
-            events.append(json.loads(msg.data))
-            tokens += events[-1]["token_ids"]
-            if events[-1]["finish_reason"] is not None:
-                return events
-    finally:
-        await sub.unsubscribe()
-
-
-async def _held(nc, request_id: str) -> bool:
-    try:
-        await nc.request(subjects.GENERATE_HELD, json.dumps({"id": request_id}).encode(), timeout=1.0)
-    except Exception:  # noqa: BLE001 - a timeout or no responders: no tokenizer holds it
-        return False
-    return True
+resumable_stream = stream
 
 
 def tokens_of(events: list[dict]) -> list[int]:

@@ -50,12 +50,14 @@ class FakeNats:
         self.published: list[tuple[str, bytes, str]] = []
         self.subs: dict[str, FakeSub] = {}
         self.holds = False
+        self.answers: dict[str, bytes] = {}
+        """Subject -> the answer a request on it gets (on its own reply subject)."""
         self.is_closed, self.is_connected = False, True
 
     def new_inbox(self) -> str:
         return f"_INBOX.fake{len(self.subs)}"
 
-    async def subscribe(self, subject: str, queue: str = "", cb=None):
+    async def subscribe(self, subject: str, queue: str = "", cb=None, max_msgs: int = 0):
         if cb is not None:
             return None
         self.subs[subject] = FakeSub()
@@ -63,8 +65,10 @@ class FakeNats:
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
         self.published.append((subject, payload, reply))
-        if subject == subjects.GENERATE_HELD and self.holds and reply in self.subs:
+        if subject in (subjects.GENERATE_HELD, subjects.GENERATE_REPLAY) and self.holds and reply in self.subs:
             self.subs[reply].queue.put_nowait(SimpleNamespace(data=b'{"id": "x", "held": true}', headers=None))
+        if subject in self.answers and reply in self.subs:
+            self.subs[reply].queue.put_nowait(SimpleNamespace(data=self.answers[subject], headers=None))
 
     async def flush(self, timeout: float = 0) -> None:
         return None
@@ -105,10 +109,11 @@ async def tokenizer_with_request(body: dict | None = None) -> tuple[TokenizerSer
     return service, nc
 
 
-async def streamed(service: TokenizerService, *tokens: int, reason: FinishReason | None = None) -> None:
+async def streamed(service: TokenizerService, *tokens: int, reason: FinishReason | None = None,
+                   source: str = "0/i1") -> None:
     outputs = [RequestOutput("r1", (t,)) for t in tokens[:-1]]
     outputs.append(RequestOutput("r1", (tokens[-1],), finish_reason=reason))
-    await service.on_outputs(msg(IterationOutputs(outputs, "0/i1")))
+    await service.on_outputs(msg(IterationOutputs(outputs, source)))
     await settle()
 
 
@@ -120,7 +125,8 @@ def test_the_tokenizer_resumes_a_request_whose_engine_restarted_with_the_tokens_
         await recovery._on_placed(msg(Placed("0", "i1", ["r1"])))
         await streamed(service, 5, 6, 7)
         await recovery._on_engine_status(engine_status("i2"))  # the master restarted: i1 is gone
-        await streamed(service, 8, reason=FinishReason.LENGTH)  # ... and the new copy goes on
+        await streamed(service, 4, source="0/i1")  # a late output of the lost copy does not count
+        await streamed(service, 8, reason=FinishReason.LENGTH, source="0/i2")  # ... the new copy goes on
         await recovery.stop()
         return submissions(nc), nc.events()
 
@@ -216,7 +222,7 @@ def test_the_gateway_resends_a_silent_stream_nobody_holds_and_leaves_a_held_one_
         watch = StreamWatch(nc, lambda rid, why: ended.append((rid, why)))
         request = GenerateRequest(id="g1", prompt="hi", max_tokens=8)
         watch.watch(request, "_INBOX.gw.g1")
-        watch.saw("g1", GenerateEvent("g1", [4, 5], "ab", None))
+        assert watch.take("g1", GenerateEvent("g1", [4, 5], "ab", None))
         nc.holds = True
         await watch._check("g1", watch.watched["g1"])
         held_resends = nc.on(subjects.GENERATE)
@@ -224,11 +230,12 @@ def test_the_gateway_resends_a_silent_stream_nobody_holds_and_leaves_a_held_one_
         await watch._check("g1", watch.watched["g1"])
         resent = [(json.loads(d), r) for s, d, r in nc.published if s == subjects.GENERATE]
         resending = watch.resending("g1")
-        watch.saw("g1", GenerateEvent("g1", [6], "c", "length"))
+        assert watch.take("g1", GenerateEvent("g1", [6], "c", "length", seq=1))
         return held_resends, resent, resending, watch.watched, ended
 
     held_resends, resent, resending, watched, ended = asyncio.run(go())
     assert held_resends == [], "a tokenizer holds it: nothing to do"
     [(body, reply)] = resent
-    assert (body["id"], body["prompt"], body["resume_token_ids"], reply) == ("g1", "hi", [4, 5], "_INBOX.gw.g1")
+    assert (body["id"], body["prompt"], body["resume_token_ids"], body["resume_seq"], reply) == (
+        "g1", "hi", [4, 5], 1, "_INBOX.gw.g1")
     assert resending and watched == {} and ended == []

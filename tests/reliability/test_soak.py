@@ -1,10 +1,9 @@
-"""Issue #10, item 12 (and #19): a soak. Steady load over NATS, HTTP and durable jobs for SOAK_S
+"""Issues #10 (item 12), #19 and #20: a soak. Steady load over NATS, HTTP and durable jobs for SOAK_S
 seconds, with a worker killed (SIGKILL), then the engine master killed, and the NATS server restarted
-inside it. Then the ledger balances (sent == completed + errored, none lost: every request ended with
-a final event or HTTP status), no accepted request errored because of the two kills (the errors are
-refusals at the door while no engine served, and streams the broker restart interrupted),
-every job has exactly one stored result, and memory, file descriptors, NATS subscriptions and
-connections, and KV return to their baseline."""
+inside it. Then every request sent completed (none errored, none lost: the kills' requests resume by
+recompute, the broker restart's streams are replayed; HTTP clients retry a 503 at the door after its
+Retry-After, as the OpenAI client does), every job has exactly one stored result, and memory, file
+descriptors, NATS subscriptions and connections, and KV return to their baseline."""
 
 from __future__ import annotations
 
@@ -28,10 +27,6 @@ SOAK_S = 45.0
 WORKER_KILL_AT_S = 10.0
 MASTER_KILL_AT_S = 18.0
 BROKER_RESTART_AT_S = 27.0
-EXPECTED_ERRORS = ("HTTP 503", "the message bus (NATS) restarted", "the connection to the message bus (NATS)",
-                   "client: reconnected to NATS", "no responders")
-"""What may end a request in this soak: a refusal while no engine serves (a master restarting), and
-the interruption a broker restart causes (README, "When things fail"). Never the kills themselves."""
 NATS_CLIENTS, HTTP_CLIENTS = 4, 1
 JOB_EVERY_S = 5.0
 REQUEST_TIMEOUT_S = 120.0
@@ -44,6 +39,8 @@ class Ledger:
     sent: int = 0
     completed: int = 0
     errored: int = 0
+    refusals: int = 0
+    """HTTP 503s at the door (no engine ready: the master restarting), each retried by its client."""
     lost: int = 0
     completions: list[tuple[float, float]] = field(default_factory=list)
     """(sent at, finished at) of each completed request, seconds since the soak began."""
@@ -101,6 +98,10 @@ async def http_client(url: str, n: int, until: float, began: float, ledger: Ledg
             ledger.sent += 1
             try:
                 response = await client.post("/v1/completions", json=payload)
+                while response.status_code in (429, 503):  # refused at the door: retried, as OpenAI's client does
+                    ledger.refusals += 1
+                    await asyncio.sleep(min(float(response.headers.get("retry-after", "1")), 2.0))
+                    response = await client.post("/v1/completions", json=payload)
             except httpx.HTTPError as exc:
                 ledger.lost += 1
                 ledger.lost_requests.append(f"http {type(exc).__name__} sent at {sent_at:.1f} s")
@@ -205,14 +206,12 @@ def test_soak_with_a_worker_kill_a_master_kill_and_a_broker_restart(stack):
     after = settle(stack, session, before, 30)
     recovery = {name: ledger.recovery_s(at) for name, at in faults.items()}
     print(f"soak {SOAK_S:.0f} s: sent {ledger.sent}, completed {ledger.completed}, errored {ledger.errored}, "
-          f"lost {ledger.lost}; errors {ledger.errors}; jobs {len(job_ids)}, results {len(results)}, "
+          f"lost {ledger.lost}, refused at the door {ledger.refusals}; errors {ledger.errors}; jobs {len(job_ids)}, results {len(results)}, "
           f"stored {stored_after - stored_before}; faults at {faults}; recovery {recovery}; "
           f"KV idle after {idle_s:.1f} s; before {before}; after {after}")
     assert ledger.sent == ledger.completed + ledger.errored + ledger.lost
     assert ledger.lost == 0, f"requests never ended: {ledger.lost_requests}\n" + "".join(stack.serve.log[-80:])
-    assert ledger.completed > ledger.errored, "the system mostly served"
-    unexpected = {why: n for why, n in ledger.errors.items() if not why.startswith(EXPECTED_ERRORS)}
-    assert not unexpected, f"requests errored because of a kill: {unexpected}"
+    assert ledger.errored == 0, f"requests errored: {ledger.errors}"
     assert all(r is not None for r in recovery.values()), f"no request completed after a fault: {recovery}"
     assert sorted(results) == sorted(job_ids), "a job was lost"
     assert all(r["finish_reason"] == "length" for r in results.values()), results
