@@ -54,6 +54,9 @@ class Admit(msgspec.Struct, frozen=True):
     sequence: int
     """Increases by one per Admit to an engine; the engine echoes the last one it applied."""
     requests: list[TokenizedRequest]
+    incarnation: str = ""
+    """The engine incarnation it is for: one sent again after that master restarted is dropped (the
+    new incarnation numbers its admits from 0 again; the requests resume through their tokenizers)."""
 
 
 class EngineStatus(msgspec.Struct, frozen=True):

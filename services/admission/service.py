@@ -68,7 +68,8 @@ class AdmissionService:
         now = time.monotonic() if now is None else now
         for replica, sequence, requests in self.queue.unacknowledged(now, older_than_s):
             log.warning("admit %d to engine %s not acknowledged; sending it again", sequence, replica)
-            await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
+            await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests,
+                                                                                      self._incarnation_of(replica))))
 
     async def stop(self) -> None:
         for task in (self._heartbeat, self._watch):
@@ -137,9 +138,13 @@ class AdmissionService:
     async def _admit(self) -> None:
         for replica, sequence, requests in self.queue.decide(time.monotonic()):
             self.telemetry.on_admitted(replica, requests)
-            await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests)))
+            await self.nc.publish(subjects.engine_admit(replica), Codec.encode(Admit(sequence, requests,
+                                                                                      self._incarnation_of(replica))))
             await self._tell_owners(replica, requests)
         await self.publish_status()
+
+    def _incarnation_of(self, replica: str) -> str:
+        return self.queue.engines[replica].status.incarnation
 
     async def _tell_owners(self, replica: str, requests: list[TokenizedRequest]) -> None:
         """After the Admit, on the same connection: a tokenizer never hears of a placement before

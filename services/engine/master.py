@@ -310,6 +310,8 @@ class EngineMaster:
 
     async def on_admit(self, msg: Msg) -> None:
         admit = admit_codec.decode(msg.data)
+        if admit.incarnation and admit.incarnation != self.incarnation:
+            return  # for the master this one replaced: its requests resume through their tokenizers
         if admit.sequence <= self.last_admit_sequence or admit.sequence in self.admits_ahead:
             await self.publish_status()  # a repeat (the status acknowledging it was lost, or late): echo again
             return

@@ -19,7 +19,7 @@ from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest
 from shared.codec import Codec
 from shared.config import EngineConfig, ModelConfig
-from shared.messages import IterationOutputs, OutputsReplay, OutputsReplayed
+from shared.messages import Admit, IterationOutputs, OutputsReplay, OutputsReplayed
 from shared.outputs import FinishReason, RequestOutput
 from tests.reliability.test_recovery_logic import admit, request, running_master, status, stopped, until_ended
 from tests.reliability.test_recovery_shells import REPLY, FakeNats, msg, settle, tokenizer_with_request
@@ -246,3 +246,17 @@ def test_the_gateway_takes_events_in_order_drops_a_repeat_and_asks_for_a_replay_
     assert taken == [True, False, False, True]
     assert replays == [{"id": "g1", "from_seq": 1}] and resent == [], "held: replayed, not resent"
     assert tokens == [4, 5]
+
+
+def test_an_admit_sent_again_after_its_master_restarted_is_dropped_by_the_new_one():
+    async def go():
+        master, bus, _, stop, task = await running_master()
+        stale = Admit(7, [request("stale", max_tokens=3)], incarnation="the-master-before")
+        await master.on_admit(SimpleNamespace(data=Codec.encode(stale)))
+        await admit(master, request("fresh", max_tokens=3), sequence=1)
+        await until_ended(bus, "fresh")
+        await stopped(stop, task, master)
+        return master.status().last_admit_sequence, master.admits_ahead, bus.outputs()
+
+    acked, ahead, outputs = asyncio.run(go())
+    assert acked == 1 and ahead == set() and "stale" not in outputs
