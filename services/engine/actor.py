@@ -18,12 +18,14 @@ from services.engine.master import EngineMaster
 from services.engine.placement import reserve_workers, worker_bundle
 from services.engine.worker import Worker
 from services.engine.workers import RayWorkerGroup
+from services.logs import setup_logging
 from shared.config import EngineConfig
 
 
 class EngineMasterActor:
     def __init__(self, config: EngineConfig, nats_url: str, replica: str, *, worker_cpus: float = 1.0,
                  worker_threads: int | None = None, step_timeout_s: float = 120.0) -> None:
+        setup_logging()  # a Ray actor process: timestamps and INFO lines in its log, as every service has
         self.config, self.nats_url, self.replica = config, nats_url, replica
         self.worker_cpus, self.worker_threads = worker_cpus, worker_threads
         self.step_timeout_s = step_timeout_s

@@ -57,7 +57,7 @@ outputs_codec, replayed_codec = Codec(IterationOutputs), Codec(OutputsReplayed)
 REPLAY_WINDOW_S = 30.0
 """A request's events are kept this long after its last one, for a client that asks them again."""
 MAX_ENDED_KEPT = 10_000
-REPLAY_RETRY_S = 0.5
+REPLAY_RETRY_S = 0.2
 REPLAY_GIVE_UP_S = 30.0
 """An engine asked for missing outputs this long without an answer is left to the recovery rules
 (an engine silent that long has expired: its requests resume elsewhere)."""
@@ -324,6 +324,7 @@ class TokenizerService:
                 except NoAnswer:
                     await asyncio.sleep(REPLAY_RETRY_S)
                     continue
+                log.info("engine %s sent again its outputs from %d to %d", source, ask_for.from_seq, answer.next_seq)
                 if not answer.ok:
                     await self._outputs_lost(source)
                 return
