@@ -21,7 +21,8 @@ from shared.client import generate
 
 
 async def stream(nats_url: str, body: dict, timeout_s: float = 120.0) -> dict:
-    nc = await nats.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    # One server, or a cluster's servers comma-separated: the client fails over between them.
+    nc = await nats.connect(servers=nats_url.split(","), max_reconnect_attempts=-1, reconnect_time_wait=0.5)
     try:
         events = await generate(nc, body, timeout_s=timeout_s,
                                 on_event=lambda event: print(event["text"], end="", flush=True))

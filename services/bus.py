@@ -1,5 +1,11 @@
 """NATS connection and service lifecycle, as in nats.py's examples: one connection per
-service, reconnect forever, SIGTERM/SIGINT set an event, drain on the way out."""
+service, reconnect forever, SIGTERM/SIGINT set an event, drain on the way out.
+
+A NATS URL here (`--nats-url`, ORCA_NATS_URL) may name a cluster: a comma-separated list,
+`nats://a:4222,nats://b:4222,nats://c:4222`. A service connects to one of them and moves to
+another when that one goes away (nats.py also learns the cluster's other servers from the one it
+is on). Credentials belong to the list, not to one server: every server, the ones learnt too, is
+given the same ones."""
 
 from __future__ import annotations
 
@@ -8,7 +14,8 @@ import logging
 import signal
 import weakref
 from collections.abc import Awaitable, Callable
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import nats
 from nats.aio.client import Client
@@ -19,6 +26,7 @@ log = logging.getLogger("orca.bus")
 
 REQUEST_TIMEOUT_S = 5.0
 MAX_PAYLOAD_HINT = 1024 * 1024  # nats-server's default max_payload
+SCHEMES = ("nats", "tls", "ws", "wss")
 
 _reconnect_listeners: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
 
@@ -31,6 +39,7 @@ def on_reconnect(nc: Client, callback: Callable[[], None]) -> None:
 
 
 async def connect(url: str, name: str) -> Client:
+    """Connect to the server, or one of the servers, `url` names (see the module docstring)."""
     async def on_error(exc: Exception) -> None:
         log.warning("%s: NATS error: %s", name, exc)
 
@@ -38,45 +47,114 @@ async def connect(url: str, name: str) -> Client:
         log.warning("%s: disconnected from NATS", name)
 
     async def reconnected() -> None:
-        log.info("%s: reconnected to NATS", name)
+        log.info("%s: reconnected to NATS at %s", name, nc.connected_url.netloc if nc.connected_url else "?")
         for callback in _reconnect_listeners.get(nc, ()):
             callback()
 
     nc = await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
+        servers=server_urls(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
         error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=reconnected,
         pending_size=64 * 1024 * 1024, **auth_options(url),
     )
     return nc
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What a NATS URL's user part says: a user and password, or a lone token."""
+
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+
+
+def split_urls(url: str) -> list[SplitResult]:
+    """The URLs of a comma-separated list (one URL is a list of one); a ValueError names an empty
+    list or entry, or one that is not a URL with a host."""
+    entries = [u.strip() for u in url.split(",")]
+    if not any(entries):
+        raise ValueError(f"NATS URL {url!r}: no server")
+    parts = []
+    for entry in entries:
+        if not entry:
+            raise ValueError(f"NATS URL list {redact_url(url)!r}: an empty entry")
+        part = urlsplit(entry if "://" in entry else f"nats://{entry}")
+        try:
+            part.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError:
+            raise ValueError(f"NATS URL {redact_url(entry)!r}: the port is not a number") from None
+        if part.scheme not in SCHEMES or not part.hostname:
+            raise ValueError(f"NATS URL {redact_url(entry)!r}: want nats://host:port")
+        parts.append(part)
+    return parts
+
+
+def server_urls(url: str) -> list[str]:
+    """The servers of `url` without their credentials (auth_options carries those), for
+    nats.connect's `servers`."""
+    out = []
+    for part in split_urls(url):
+        host = f"[{part.hostname}]" if ":" in part.hostname else part.hostname
+        netloc = host if part.port is None else f"{host}:{part.port}"
+        out.append(urlunsplit(part._replace(netloc=netloc)))
+    return out
+
+
+def url_credentials(url: str) -> Credentials | None:
+    """The credentials the URLs carry, or None if none does. Servers without any take those of the
+    others; two servers naming different ones are a ValueError (one connection has one user)."""
+    found = {_credentials(part) for part in split_urls(url)} - {None}
+    if len(found) > 1:
+        raise ValueError(f"NATS URL list {redact_url(url)!r}: the servers name different credentials")
+    return next(iter(found), None)
+
+
+def _credentials(part: SplitResult) -> Credentials | None:
+    if part.username is None:
+        return None
+    if part.password is None:
+        return Credentials(token=part.username)  # a lone username is a token
+    return Credentials(user=part.username, password=part.password)
+
+
 def auth_options(url: str) -> dict[str, str]:
-    """Credentials from ORCA_NATS_USER / ORCA_NATS_PASSWORD unless the URL carries its own, and
-    the user's own inbox prefix, so replies to a service arrive where only its user may
-    subscribe (deploy/nats/nats.conf)."""
-    parts = urlsplit(url)
+    """nats.connect's credentials for the server or servers `url` names: the ones the URLs carry,
+    else ORCA_NATS_USER / ORCA_NATS_PASSWORD; and the user's own inbox prefix, so replies to a
+    service arrive where only its user may subscribe (deploy/nats/nats.conf). Given as options,
+    they reach the cluster's servers that nats.py learns on the way too (those come without any)."""
     options: dict[str, str] = {}
-    user = parts.username if parts.password is not None else None  # a lone username is a token
-    credentials = env.nats_credentials()
-    if parts.username is None and credentials is not None:
-        user = credentials[0]
-        options["user"], options["password"] = credentials
-    if user and subjects.is_valid_token(user):
-        options["inbox_prefix"] = f"_INBOX_{user}"
+    credentials = url_credentials(url)
+    if credentials is None and (from_env := env.nats_credentials()) is not None:
+        credentials = Credentials(*from_env)
+    if credentials is not None and credentials.token is not None:
+        options["token"] = credentials.token
+    elif credentials is not None:
+        options["user"], options["password"] = credentials.user, credentials.password
+        if subjects.is_valid_token(credentials.user):
+            options["inbox_prefix"] = f"_INBOX_{credentials.user}"
     return options
 
 
 def redact_url(url: str) -> str:
-    """The URL without its secret (a password, or a token in the user part), for logs."""
-    parts = urlsplit(url)
+    """The URL, or each URL of a list, without its secret (a password, or a token in the user
+    part), for logs."""
+    return ",".join(_redact(entry.strip()) for entry in url.split(","))
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url if "://" in url else f"nats://{url}")  # `user:pw@host` is not a scheme
     if parts.username is None:
         return url
     host = parts.hostname or ""
     host = f"[{host}]" if ":" in host else host
     userinfo = f"{parts.username}:***" if parts.password is not None else "***"
     netloc = f"{userinfo}@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
+    try:
+        port = parts.port
+    except ValueError:  # not a number: leave it out rather than fail a log line
+        port = None
+    if port is not None:
+        netloc += f":{port}"
     return urlunsplit(parts._replace(netloc=netloc))
 
 
@@ -102,6 +180,17 @@ def stop_events_on_signals(count: int) -> list[asyncio.Event]:
     return events
 
 
+async def synced(nc: Client, timeout_s: float = 5.0) -> None:
+    """Return once the server has processed everything sent on `nc` so far (its subscriptions are
+    live). nats.py's `flush()` alone does not promise it: it writes its PING straight to the socket,
+    ahead of the SUBs and PUBs still in the pending buffer, so its PONG can come before the server
+    has seen them (a message published from another connection right after was then lost, about 1
+    in 150 fresh connections: tests/deploy/test_nats_auth.py). Writing the buffer out first closes
+    that gap (`_flush_pending` is nats.py's own; there is no public call that does it)."""
+    await nc._flush_pending(force_flush=True)
+    await nc.flush(timeout=timeout_s)
+
+
 async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[Callable[[], Awaitable[None]] | None]],
                       stop: asyncio.Event | None = None) -> None:
     """Connect, let `start` subscribe (it may return a coroutine function that stops its own
@@ -111,6 +200,7 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[C
     cleanup = None
     try:
         cleanup = await start(nc)
+        await synced(nc)
         log.info("%s: ready on %s", name, redact_url(url))
         await stop.wait()
     finally:

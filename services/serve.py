@@ -193,7 +193,9 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config)
         stack.callback(_stop_gateway, args.drain_timeout)
-        print(f"orca-serve is up: HTTP {http_url}, NATS {nats_url}, {args.replicas} engine replica(s) of "
+        from services.bus import redact_url
+
+        print(f"orca-serve is up: HTTP {http_url}, NATS {redact_url(nats_url)}, {args.replicas} engine replica(s) of "
               f"{config.model.model}\n"
               f"  openai:   {http_url}/v1 (completions, chat/completions, models); health: {http_url}/health\n"
               f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"

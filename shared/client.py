@@ -37,9 +37,10 @@ def _error(request_id: str, message: str) -> dict:
 
 
 async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: Callable[[dict], None] | None = None,
-                   stats: dict | None = None) -> list[dict]:
+                   stats: dict | None = None, idle_timeout_s: float | None = None) -> list[dict]:
     """The request's events in order, the final one last. TimeoutError if it has not ended within
-    `timeout_s` (nothing waits forever). `stats` counts "replays", "resends" and "retries"."""
+    `timeout_s`, or taken no event for `idle_timeout_s` (nothing waits forever). `stats` counts
+    "replays", "resends" and "retries"."""
     stats = stats if stats is not None else {}
     request_id = body["id"]
     inbox = nc.new_inbox()
@@ -48,6 +49,7 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
     tokens: list[int] = []
     deadline = time.monotonic() + timeout_s
     heard, refused_since, reconnects = time.monotonic(), None, nc.stats["reconnects"]
+    taken_at = heard
 
     async def send() -> None:
         """The request; once a tokenizer may have taken it, as a resend (a tokenizer that still holds it
@@ -55,22 +57,28 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
         sent = {**body, "resume_token_ids": tokens, "resume_seq": len(events)} if stats.get("resends") else body
         await nc.publish(subjects.GENERATE, json.dumps(sent).encode(), reply=inbox)
 
+    replayed_up_to = 0  # the events up to this seq are on their way again: a gap below it needs no new replay
+
     async def replay_or_resend() -> None:
+        nonlocal replayed_up_to
         stats["replays"] = stats.get("replays", 0) + 1
         try:
-            await ask(nc, subjects.GENERATE_REPLAY, json.dumps({"id": request_id, "from_seq": len(events)}).encode(),
-                      ANSWER_TIMEOUT_S)
+            answer = await ask(nc, subjects.GENERATE_REPLAY,
+                               json.dumps({"id": request_id, "from_seq": len(events)}).encode(), ANSWER_TIMEOUT_S)
         except NoAnswer:  # the tokenizer that held it is gone
             stats["resends"] = stats.get("resends", 0) + 1
             await send()
+            return
+        replayed_up_to = max(replayed_up_to, json.loads(answer.data).get("next_seq", 0))
 
     try:
-        await nc.flush()  # the reply subject is known to the server before anyone answers on it
-        await send()
+        await send()  # after the SUB on the same connection: the server has the reply subject first
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{request_id}: no final event within {timeout_s} s ({len(events)} events)")
+            if idle_timeout_s is not None and time.monotonic() - taken_at > idle_timeout_s:
+                raise TimeoutError(f"{request_id}: no event for {idle_timeout_s} s ({len(events)} events)")
             try:
                 msg = await sub.next_msg(timeout=min(left, RETRY_S))
             except nats.errors.TimeoutError:
@@ -95,9 +103,11 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
             if seen is Arrival.REPEAT:
                 continue
             if seen is Arrival.GAP:
-                await replay_or_resend()
+                if event.get("seq", 0) >= replayed_up_to:  # else the replay asked for already brings it
+                    await replay_or_resend()
                 continue
             heard, refused_since = time.monotonic(), None
+            taken_at = heard
             events.append(event)
             tokens += event["token_ids"]
             if on_event is not None:

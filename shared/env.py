@@ -33,7 +33,8 @@ FLAG_DESTS = {"policy": "scheduler"}
 """Fields whose command-line flag (argparse dest) is not the field's own name."""
 
 SERVICE_ENV_VARS: dict[str, str] = {
-    "ORCA_NATS_URL": "NATS server URL (`--nats-url` default of `orca serve` and the gateway)",
+    "ORCA_NATS_URL": "NATS server URL, or a cluster's URLs comma-separated (`--nats-url` default of `orca serve` and the gateway)",
+    "ORCA_JETSTREAM_REPLICAS": "copies of the jobs streams (`--jetstream-replicas` of the jobs service): 3 on a NATS cluster, default 1",
     "ORCA_NATS_USER": "NATS user this process connects as (one per service: deploy/nats/nats.conf)",
     "ORCA_NATS_PASSWORD": "that user's password (never logged); unset: ORCA_NATS_<USER>_PASSWORD",
     "ORCA_API_KEY": "bearer token the HTTP gateway requires (unset: no auth)",
@@ -125,6 +126,11 @@ def nats_credentials() -> tuple[str, str] | None:
         return None
     password = os.environ.get("ORCA_NATS_PASSWORD") or os.environ.get(f"ORCA_NATS_{user.upper()}_PASSWORD", "")
     return user, password
+
+
+def jetstream_replicas() -> str | None:
+    """ORCA_JETSTREAM_REPLICAS: the jobs service's `--jetstream-replicas` default (checked there)."""
+    return os.environ.get("ORCA_JETSTREAM_REPLICAS") or None
 
 
 def api_key() -> str | None:

@@ -88,13 +88,14 @@ class Worker:
 
         if self._subscribed.is_set():
             return  # already serving: one loop per worker
-        from services.bus import on_reconnect
+        from services.bus import on_reconnect, synced
 
         nc = await connect(self.nats_url, f"orca-worker-{self.replica}-{self.rank.rank}")
         self.runner.requests.clear()  # a (re)start begins with no request state
         self.last_iteration, self._results, self._ahead = None, OrderedDict(), {}
         await nc.subscribe(subjects.engine_step(self.replica), cb=self._enqueue)
         on_reconnect(nc, lambda: asyncio.get_running_loop().create_task(self._resync(nc)))
+        await synced(nc)  # the master sends the first step as soon as it hears this worker is subscribed
         self._subscribed.set()
         try:
             while True:

@@ -74,7 +74,7 @@ def lifespan(settings: GatewaySettings, http_requests: Counter):
     async def run(app: FastAPI):
         from engine.tokenizer import load_tokenizer
         from model.arch import load_arch_config, resolve_max_model_len
-        from services.bus import connect, drain_quietly
+        from services.bus import connect, drain_quietly, redact_url
 
         tokenizer = await asyncio.to_thread(load_tokenizer, settings.model, settings.chat_template)
         if tokenizer is None:
@@ -87,7 +87,7 @@ def lifespan(settings: GatewaySettings, http_requests: Counter):
                              resolve_max_model_len(settings.model, None), http_requests)
         app.state.gateway = state
         if not await client.wait_for_status(timeout_s=3.0):
-            log.warning("gateway: no admission status yet on %s", settings.nats_url)
+            log.warning("gateway: no admission status yet on %s", redact_url(settings.nats_url))
         log.info("gateway: serving %s (model %s)", settings.model_name, settings.model)
         try:
             yield

@@ -7,25 +7,32 @@ through the normal `orca.v1.generate` path, its result stored on
 can read it later), and only then acked. A redelivered job whose result is already stored
 is acked without generating again.
 
-A generation during which this service's NATS connection dropped is not trusted (core NATS
-may have lost some of its events): the job is nak'ed and generated again, under a new request
-id, rather than stored truncated or stored with the error the outage caused.
+A job's generation follows the README's client rule (`shared.client.generate`): it arrives whole
+through a NATS restart, a failover between cluster nodes or the death of its tokenizer (events in
+`seq` order, replayed after a gap, a silence or a reconnect; resent when nobody holds it). One that
+takes no event for IDLE_EVENT_TIMEOUT_S is nak'ed and generated again, under a new request id.
+
+On a NATS cluster both streams keep `replicas` copies (ORCA_JETSTREAM_REPLICAS: 3 on a cluster of
+three or more servers, so that they outlive any one server; 1, the default, on a single server).
+A stream found with fewer is scaled up when JetStream can (enough servers up).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
 import msgspec
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType
-from nats.js.errors import NotFoundError
+from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, NotFoundError
 
 from shared import subjects
 from shared.api import AbortRequest, decode_generate_request, encode_json
+from shared.client import generate
 
 log = logging.getLogger("orca.jobs")
 DUPLICATE_WINDOW_S = 600.0
@@ -33,11 +40,11 @@ ACK_WAIT_S = 30.0
 """A job whose consumer died is handed out again this long after its last heartbeat."""
 HEARTBEAT_S = ACK_WAIT_S / 3
 IDLE_EVENT_TIMEOUT_S = 300.0
+"""A generation that takes no event this long (a queued job waits silently too) is given up and retried."""
+JOB_TIMEOUT_S = 24 * 3600.0
 RETRY_DELAY_S = 2.0
-
-
-class Interrupted(Exception):
-    """The connection to NATS dropped while a job was generated: its events may be incomplete."""
+MAX_REPLICAS = 5
+"""JetStream's own limit on a stream's replicas."""
 
 
 class JobResult(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -52,25 +59,61 @@ class JobResult(msgspec.Struct, frozen=True, omit_defaults=True):
     metrics: dict[str, float] = {}
 
 
-async def ensure_streams(nc: Client) -> None:
+def stream_configs(replicas: int = 1) -> list[StreamConfig]:
+    """The jobs work queue and the results store, each with `replicas` copies."""
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(f"JetStream replicas {replicas}: want 1 to {MAX_REPLICAS} (at most the cluster's servers)")
+    return [
+        StreamConfig(name=subjects.JOBS_STREAM, subjects=[subjects.JOBS_SUBMIT], retention=RetentionPolicy.WORK_QUEUE,
+                     storage=StorageType.FILE, duplicate_window=DUPLICATE_WINDOW_S, num_replicas=replicas),
+        StreamConfig(name=subjects.JOBS_RESULTS_STREAM, subjects=[f"{subjects.JOBS_RESULT_PREFIX}.>"],
+                     storage=StorageType.FILE, max_msgs_per_subject=1, num_replicas=replicas),
+    ]
+
+
+async def ensure_streams(nc: Client, replicas: int = 1) -> None:
     js = nc.jetstream()
-    await js.add_stream(name=subjects.JOBS_STREAM, subjects=[subjects.JOBS_SUBMIT],
-                        retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE,
-                        duplicate_window=DUPLICATE_WINDOW_S)
-    await js.add_stream(name=subjects.JOBS_RESULTS_STREAM, subjects=[f"{subjects.JOBS_RESULT_PREFIX}.>"],
-                        storage=StorageType.FILE, max_msgs_per_subject=1)
+    for config in stream_configs(replicas):
+        await ensure_stream(js, config)
+
+
+async def ensure_stream(js, config: StreamConfig) -> None:
+    """Create the stream, or find it: one with fewer replicas than `config` asks is scaled up if
+    JetStream can (else it stays, with a warning: it works, only less durably); one with as many or
+    more is kept as it is."""
+    try:
+        await js.add_stream(config)  # creates it, or finds it with this very config
+        return
+    except APIError as exc:
+        refused = exc
+    try:
+        found = (await js.stream_info(config.name)).config
+    except NotFoundError:
+        raise RuntimeError(f"JetStream refused to create stream {config.name} with {config.num_replicas} "
+                           f"replica(s): {refused.description}") from None
+    have = found.num_replicas or 1
+    if have >= config.num_replicas:
+        log.info("stream %s kept as found (%d replica(s)): %s", config.name, have, refused.description)
+        return
+    try:
+        await js.update_stream(dataclasses.replace(found, num_replicas=config.num_replicas))
+        log.info("stream %s: %d -> %d replicas", config.name, have, config.num_replicas)
+    except APIError as exc:
+        log.warning("stream %s keeps %d replica(s): JetStream refused %d (%s)", config.name, have,
+                    config.num_replicas, exc.description)
 
 
 class JobsService:
-    def __init__(self, nc: Client, concurrency: int = 64) -> None:
+    def __init__(self, nc: Client, concurrency: int = 64, replicas: int = 1) -> None:
         self.nc = nc
         self.js = nc.jetstream()
+        self.replicas = replicas
         self.concurrency = asyncio.Semaphore(concurrency)
         self.in_flight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        await ensure_streams(self.nc)
+        await ensure_streams(self.nc, self.replicas)
         self.sub = await self.js.pull_subscribe(
             subjects.JOBS_SUBMIT, durable=subjects.JOBS_CONSUMER, stream=subjects.JOBS_STREAM,
             config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_ack_pending=1024))
@@ -163,41 +206,19 @@ class JobsService:
             body["id"] = f"{job_id}~{msg.metadata.num_delivered}"
         except (msgspec.DecodeError, ValueError) as exc:
             return JobResult(job_id, "error", error=f"malformed job: {exc}")
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox)
         start = time.monotonic()
-        reconnects = self.nc.stats["reconnects"]
-        tokens: list[int] = []
-        text: list[str] = []
         try:
-            await self.nc.publish(subjects.GENERATE, msgspec.json.encode(body), reply=inbox)
-            while True:
-                event = await self._next_event(sub, reconnects)
-                if event is None:
-                    await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(body["id"])))
-                    raise Interrupted("the connection to NATS dropped during the generation")
-                tokens.extend(event.get("token_ids") or [])
-                text.append(event.get("text") or "")
-                if event.get("finish_reason") is not None:
-                    return JobResult(job_id, event["finish_reason"], event.get("prompt_token_ids") or [], tokens,
-                                     "".join(text), event.get("error"),
-                                     {"latency_s": round(time.monotonic() - start, 6)})
-        finally:
-            await sub.unsubscribe()
+            events = await generate(self.nc, body, timeout_s=JOB_TIMEOUT_S, idle_timeout_s=IDLE_EVENT_TIMEOUT_S)
+        except TimeoutError:
+            await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(body["id"])))
+            raise
+        return job_result(job_id, events, time.monotonic() - start)
 
-    async def _next_event(self, sub, reconnects: int) -> dict | None:
-        """The next event of a generation, or None once this connection has reconnected since it
-        began (then nothing it received can be trusted whole). Nothing for IDLE_EVENT_TIMEOUT_S
-        raises (the job is then retried)."""
-        deadline = time.monotonic() + IDLE_EVENT_TIMEOUT_S
-        while self.nc.stats["reconnects"] == reconnects:
-            try:
-                data = (await sub.next_msg(timeout=1.0)).data
-            except NatsTimeout:
-                if time.monotonic() > deadline:
-                    raise
-                continue
-            if self.nc.stats["reconnects"] != reconnects:
-                return None
-            return msgspec.json.decode(data)
-        return None
+
+def job_result(job_id: str, events: list[dict], latency_s: float) -> JobResult:
+    """A generation's events, in order, the final one last, as the job's result."""
+    final = events[-1]
+    tokens = [t for e in events for t in e.get("token_ids") or []]
+    text = "".join(e.get("text") or "" for e in events)
+    return JobResult(job_id, final["finish_reason"], final.get("prompt_token_ids") or [], tokens, text,
+                     final.get("error"), {"latency_s": round(latency_s, 6)})

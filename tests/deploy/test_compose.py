@@ -23,7 +23,8 @@ import nats
 import pytest
 import yaml
 
-from services.nats_server import LocalNatsServer, free_port
+from services.nats_server import free_port
+from tests.deploy.compose_nats import ComposeNatsCluster
 from shared import subjects
 from shared.codec import Codec
 from shared.messages import AdmissionStatus, EngineStatus
@@ -112,7 +113,7 @@ def test_every_service_connects_as_its_own_nats_user():
     """Each service's ORCA_NATS_USER is a user of deploy/nats/nats.conf, and its password is the one
     the NATS container gets for that user."""
     conf = (ROOT / "deploy" / "nats" / "nats.conf").read_text()
-    nats_env = compose_environment("nats")
+    nats_env = compose_environment("nats-1")
     users = {}
     for name in (*STACK, "engine-gpu"):
         env = compose_environment(name)
@@ -123,21 +124,13 @@ def test_every_service_connects_as_its_own_nats_user():
     assert len({users[n] for n in STACK}) == len(STACK)  # no two roles share a user
 
 
-def nats_server_for_compose(store_dir: str | None = None) -> LocalNatsServer:
-    """nats-server with the config file and password environment the compose `nats` service gets."""
-    service = compose()["services"]["nats"]
-    command = service["command"]
-    target = command[command.index("-c") + 1]
-    source = next(v.split(":")[0] for v in service["volumes"] if v.split(":")[1] == target)
-    return LocalNatsServer(config=ROOT / source, environ=compose_environment("nats"), store_dir=store_dir)
-
-
-def local(service: str, nats_url: str, model_dir: str, spans: Path, http_port: int | None = None
+def local(service: str, cluster: ComposeNatsCluster | None, model_dir: str, spans: Path, http_port: int | None = None
           ) -> tuple[list[str], dict[str, str]]:
     """The compose service's command and environment, with the compose network's names swapped
     for this machine's (and spans written to a file: there is no collector here)."""
     def swap(arg: str) -> str:
-        return arg.replace("nats://nats:4222", nats_url).replace("/models/demo-llama-tiny", model_dir)
+        arg = cluster.swap(arg) if cluster is not None else arg
+        return arg.replace("/models/demo-llama-tiny", model_dir)
 
     command = [swap(a) for a in compose()["services"][service]["command"]]
     if http_port is not None:
@@ -180,9 +173,9 @@ class Running:
 
 
 class Stack:
-    def __init__(self, server: LocalNatsServer, http_port: int, running: dict[str, Running]) -> None:
+    def __init__(self, server: ComposeNatsCluster, http_port: int, running: dict[str, Running]) -> None:
         self.server, self.http_port, self.running = server, http_port, running
-        self.passwords = compose_environment("nats")
+        self.passwords = compose_environment("nats-1")
 
     def url(self, user: str) -> str:
         return self.server.url_for(user, self.passwords[f"ORCA_NATS_{user.upper()}_PASSWORD"])
@@ -196,12 +189,12 @@ def stack(demo_model, tmp_path_factory):
     """All the compose services but `model` (the demo_model fixture made the checkpoint), started
     at once, as compose starts them."""
     tmp = tmp_path_factory.mktemp("compose")
-    server = nats_server_for_compose().start()
+    server = ComposeNatsCluster(tmp / "nats").start()
     http_port = free_port()
     running: dict[str, Running] = {}
     try:
         for name in STACK:
-            command, environ = local(name, server.url, demo_model, tmp / "spans.jsonl",
+            command, environ = local(name, server, demo_model, tmp / "spans.jsonl",
                                      http_port if name == "gateway" else None)
             running[name] = Running(command, environ, tmp / f"{name}.log")
         yield Stack(server, http_port, running)
@@ -210,11 +203,11 @@ def stack(demo_model, tmp_path_factory):
             r.terminate()
         for r in running.values():
             r.stop()
-        server.cleanup()
+        server.stop()
 
 
 def test_model_service_makes_the_checkpoint_the_others_read(tmp_path):
-    command, environ = local("model", "unused", str(tmp_path / "demo"), tmp_path / "spans.jsonl")
+    command, environ = local("model", None, str(tmp_path / "demo"), tmp_path / "spans.jsonl")
     result = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "demo" / "config.json").is_file() and (tmp_path / "demo" / "tokenizer.json").is_file()
@@ -257,7 +250,8 @@ def test_engine_service_comes_up_ready(stack):
     assert status.replica == "cpu0" and status.kv_used_blocks == 0 and status.max_model_len == 1024
 
 
-def test_tokenizer_service_answers(stack):
+def tokenizer_answer(stack: Stack) -> dict:
+    """The tokenizer's answer to a request without an id, asked until it listens."""
     async def probe() -> dict:
         nc = await nats.connect(stack.url("client"))
         try:
@@ -269,11 +263,11 @@ def test_tokenizer_service_answers(stack):
         finally:
             await nc.close()
         raise AssertionError("tokenizer never answered:\n" + stack.logs())
-    reply = asyncio.run(probe())
-    assert reply["finish_reason"] == "error" and "id" in reply["error"]
+    return asyncio.run(probe())
 
 
-def test_admission_service_reports_its_queue(stack):
+def admission_status(stack: Stack) -> AdmissionStatus:
+    """Admission's next status (it sends one every second once it listens)."""
     async def first_status() -> bytes:
         nc = await nats.connect(stack.url("gateway"))
         try:
@@ -281,8 +275,16 @@ def test_admission_service_reports_its_queue(stack):
             return (await sub.next_msg(timeout=120)).data
         finally:
             await nc.close()
-    status = Codec(AdmissionStatus).decode(asyncio.run(first_status()))
-    assert status.max_queue_len > 0
+    return Codec(AdmissionStatus).decode(asyncio.run(first_status()))
+
+
+def test_tokenizer_service_answers(stack):
+    reply = tokenizer_answer(stack)
+    assert reply["finish_reason"] == "error" and "id" in reply["error"]
+
+
+def test_admission_service_reports_its_queue(stack):
+    assert admission_status(stack).max_queue_len > 0
 
 
 def test_jobs_service_creates_its_streams(stack):
@@ -307,35 +309,28 @@ def test_gateway_service_answers_http(stack):
 
 
 def test_producer_with_the_client_user_gets_a_generation_a_job_and_a_completion(stack):
-    """The README's producer examples, against the stack, with the client user's credentials."""
+    """The README's producer examples, against the stack, with the client user's credentials: one
+    request and one job, each sent once on a fresh connection (once every service listens)."""
     engine_ready(stack)
+    tokenizer_answer(stack)
+    admission_status(stack)
     gateway_models(stack)
 
     async def over_nats() -> tuple[dict, dict]:
         nc = await nats.connect(stack.url("client"))
         try:
             inbox = nc.new_inbox()
-            sub = await nc.subscribe(inbox)
-            for attempt in range(3):  # a fresh connection's first message is now and then lost (test_nats_auth)
-                await nc.publish(subjects.GENERATE, json.dumps(
-                    {"id": f"r{attempt}", "prompt": "def main():", "max_tokens": 8, "temperature": 0}).encode(),
-                    reply=inbox)
-                try:
-                    event = json.loads((await sub.next_msg(timeout=20)).data)
-                    break
-                except nats.errors.TimeoutError:
-                    continue
+            sub = await nc.subscribe(inbox)  # sent before the request, on its connection: in place first
+            await nc.publish(subjects.GENERATE, json.dumps(
+                {"id": "r1", "prompt": "def main():", "max_tokens": 8, "temperature": 0}).encode(), reply=inbox)
+            event = json.loads((await sub.next_msg(timeout=120)).data)
             while event["finish_reason"] is None:
+                assert event["id"] == "r1", event
                 event = json.loads((await sub.next_msg(timeout=120)).data)
             js = nc.jetstream()
             job_id = f"job-{uuid.uuid4().hex[:8]}"
             job = json.dumps({"id": job_id, "prompt": "import os", "max_tokens": 4, "temperature": 0}).encode()
-            for attempt in range(3):  # the same Nats-Msg-Id: JetStream keeps one
-                try:
-                    await js.publish(subjects.JOBS_SUBMIT, job, headers={"Nats-Msg-Id": job_id}, timeout=5)
-                    break
-                except nats.errors.TimeoutError:
-                    continue
+            await js.publish(subjects.JOBS_SUBMIT, job, headers={"Nats-Msg-Id": job_id}, timeout=30)
             for _ in range(240):
                 try:
                     result = await js.get_last_msg(subjects.JOBS_RESULTS_STREAM, subjects.jobs_result(job_id))

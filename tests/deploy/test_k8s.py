@@ -58,15 +58,18 @@ def test_kustomization_lists_every_manifest():
     assert find("Namespace")["metadata"]["name"] == namespace
 
 
-def test_nats_config_map_is_the_nats_config_file():
+def test_nats_config_map_is_the_nats_config_files():
     config_map = find("ConfigMap", "nats-config")
     assert config_map["data"]["nats.conf"] == (ROOT / "deploy" / "nats" / "nats.conf").read_text()
+    assert config_map["data"]["cluster.conf"] == (ROOT / "deploy" / "nats" / "cluster.conf").read_text()
 
 
 def test_nats_runs_as_in_compose():
+    """Each server as compose's nats-1 runs, its own name aside (the pod's)."""
     container = find("StatefulSet", "nats")["spec"]["template"]["spec"]["containers"][0]
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["nats"]
-    assert container["args"] == compose["command"] and container["image"] == compose["image"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["nats-1"]
+    named = [a if a != "nats-1" else "$(POD_NAME)" for a in compose["command"]]
+    assert container["args"] == named and container["image"] == compose["image"]
     assert [e["secretRef"]["name"] for e in container["envFrom"]] == ["orca-nats"]
 
 
@@ -118,12 +121,18 @@ def test_orca_containers_use_the_project_images_and_their_own_nats_user():
     assert {"tokenizer", "admission", "jobs"} <= seen
 
 
+def without_nats_url(command: list[str]) -> list[str]:
+    """The command with its --nats-url value left out: the NATS servers' names are each deployment's own."""
+    i = command.index("--nats-url")
+    return command[:i + 1] + command[i + 2:]
+
+
 @pytest.mark.parametrize("service", ["tokenizer", "admission", "jobs"])
 def test_service_deployments_run_the_compose_command(service):
-    """The same process as in compose (one config for every way of running)."""
+    """The same process as in compose (one config for every way of running), on this cluster's NATS."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"][service]
     container = find("Deployment", service)["spec"]["template"]["spec"]["containers"][0]
-    assert container["command"] == compose["command"]
+    assert without_nats_url(container["command"]) == without_nats_url(compose["command"])
     assert find("Deployment", "admission")["spec"]["replicas"] == 1  # one global queue
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import nats
 
-from services.nats_server import MAX_PAYLOAD, free_port, nats_server_binary
+from services.nats_server import MAX_PAYLOAD, free_port, nats_server_binary, terminate
 from shared import subjects
 from shared.client import generate
 from tests.services.stack import descendants
@@ -72,13 +72,7 @@ class Broker:
         return httpx.get(self.monitor("connz"), timeout=5).json()["num_connections"]
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
 
 
 async def connect(url: str) -> nats.NATS:
