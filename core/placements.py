@@ -68,17 +68,23 @@ class Placements:
         return f"{tracked.engine[0]}/{tracked.engine[1]}" if tracked is not None and tracked.engine else None
 
     def output_from(self, request_id: str, source: str) -> bool:
-        """An engine output for the request arrived from `source`: whether it counts (not from an engine
-        the request was moved away from). It also places the request there if its `Placed` was lost."""
+        """An engine output for the request arrived from `source`: whether it counts. Only one engine's
+        do: the one that holds it (where `Placed` said, or, if that note was lost, the first heard from);
+        not an engine the request was moved away from, nor a second copy (a submission sent again after
+        a NATS outage that admission placed on another replica)."""
         tracked = self.tracked.get(request_id)
         if tracked is None:
             return True
         engine = tuple(source.split("/", 1))
-        if engine in tracked.left:
+        if engine in tracked.left or len(engine) != 2:
             return False
-        if tracked.engine is None and len(engine) == 2:
+        if tracked.engine is None:
             tracked.engine, tracked.bounced_at = (engine[0], engine[1]), None
-        return True
+        return tracked.engine == engine
+
+    def unplaced(self) -> list[str]:
+        """Requests no engine is known to hold: queued in admission, or their `Placed` note was lost."""
+        return [r for r, t in self.tracked.items() if t.engine is None]
 
     def bounced(self, request_id: str, now: float) -> None:
         tracked = self.tracked.get(request_id)
@@ -86,9 +92,11 @@ class Placements:
             tracked.bounced_at = now
 
     def placed(self, placed: Placed) -> None:
+        """Admission placed these requests. One whose engine is known already (heard from since it was
+        last submitted) stays there: this is a second copy's placement, whose outputs do not count."""
         for request_id in placed.request_ids:
             tracked = self.tracked.get(request_id)
-            if tracked is not None:
+            if tracked is not None and tracked.engine in (None, (placed.replica, placed.incarnation)):
                 tracked.engine, tracked.bounced_at = (placed.replica, placed.incarnation), None
 
     def keep_only(self, active: set[str] | dict) -> None:

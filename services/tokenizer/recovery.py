@@ -63,6 +63,14 @@ class Recovery:
     def submitted(self, tokenized: TokenizedRequest) -> None:
         self.placements.submitted(tokenized)
 
+    async def resubmit_unplaced(self) -> None:
+        """After NATS was away: a submission, an admission's `Placed` note or its final output for a
+        request may be lost. What no engine is known to hold is submitted again, as it was (admission
+        keeps one copy of a request it still queues; an engine ignores the same copy twice)."""
+        for request_id in self.placements.unplaced():
+            if request_id in self.service.active:
+                await self.service._submit(self.placements.tracked[request_id].tokenized)
+
     def bounced(self, request_id: str) -> None:
         """No admission received it: it waits (up to the timeout) for one to come back."""
         self.placements.bounced(request_id, time.monotonic())

@@ -363,10 +363,14 @@ class TokenizerService:
     def on_reconnected(self) -> None:
         """Engine messages sent here while NATS was away may be lost: ask every engine that holds a
         request of this instance for its messages from the first not received (the clients ask this
-        instance for the events they missed the same way)."""
+        instance for the events they missed the same way), and submit again what no engine is known
+        to hold."""
         sources = {self.recovery.placements.engine_of(r) for r in self.active}
         for source in sources - {None}:
             self.replay_from(source)
+        task = asyncio.get_running_loop().create_task(self.recovery.resubmit_unplaced())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def drain(self, timeout_s: float) -> None:
         """Stop gracefully: refuse new requests (an error event says why), let those in flight finish

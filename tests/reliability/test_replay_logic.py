@@ -19,10 +19,10 @@ from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest
 from shared.codec import Codec
 from shared.config import EngineConfig, ModelConfig
-from shared.messages import Admit, IterationOutputs, OutputsReplay, OutputsReplayed
+from shared.messages import Admit, IterationOutputs, Placed, OutputsReplay, OutputsReplayed
 from shared.outputs import FinishReason, RequestOutput
 from tests.reliability.test_recovery_logic import admit, request, running_master, status, stopped, until_ended
-from tests.reliability.test_recovery_shells import REPLY, FakeNats, msg, settle, tokenizer_with_request
+from tests.reliability.test_recovery_shells import FakeNats, msg, settle, submissions, tokenizer_with_request
 
 
 def test_a_consumer_takes_the_next_message_drops_a_repeat_and_sees_a_gap():
@@ -260,3 +260,32 @@ def test_an_admit_sent_again_after_its_master_restarted_is_dropped_by_the_new_on
 
     acked, ahead, outputs = asyncio.run(go())
     assert acked == 1 and ahead == set() and "stale" not in outputs
+
+
+def test_after_a_reconnect_the_tokenizer_submits_again_what_no_engine_is_known_to_hold():
+    async def go():
+        service, nc = await tokenizer_with_request()
+        await service.on_generate(msg(json.dumps({"id": "r2", "prompt_token_ids": [4], "max_tokens": 3}).encode(),
+                                      "client.inbox.r2"))
+        await service.on_outputs(outputs_message(0, 5))  # r1 is on engine 0/i1 (its Placed note was lost)
+        before = len(nc.on(subjects.ADMISSION_SUBMIT))
+        service.on_reconnected()
+        for _ in range(3):
+            await settle()
+        await service.recovery.stop()
+        return [s.request_id for s in submissions(nc)[before:]]
+
+    assert asyncio.run(go()) == ["r2"]
+
+
+def test_only_the_engine_holding_a_request_has_its_outputs_counted():
+    from core.placements import Placements
+
+    placements = Placements()
+    placements.submitted(request("r"))
+    assert placements.output_from("r", "0/i1"), "the first engine heard from holds it (its Placed was lost)"
+    assert not placements.output_from("r", "1/j1"), "a second copy on another replica does not count"
+    placements.placed(Placed("1", "j1", ["r"]))  # ... nor does its placement
+    assert placements.engine_of("r") == "0/i1"
+    placements.submitted(request("r", resumes=1))  # resumed: 0/i1 is left behind
+    assert not placements.output_from("r", "0/i1") and placements.output_from("r", "1/j1")
