@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     body = {"id": uuid.uuid4().hex, "prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": 0}
     final = asyncio.run(stream(args.nats_url, body))
-    print(json.dumps({k: final[k] for k in ("finish_reason", "usage") if k in final}))
+    print(json.dumps({k: final[k] for k in ("finish_reason", "error", "usage") if k in final}))
 
 
 if __name__ == "__main__":

@@ -235,7 +235,8 @@ class LocalNatsCluster:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m services.nats_server",
-                                     description="Run local nats-servers with JetStream on loopback until Ctrl-C.")
+                                     description="Run local nats-servers with JetStream on loopback until Ctrl-C; "
+                                                 "one that dies is started again (same port and store).")
     parser.add_argument("--cluster", type=int, default=3, metavar="N", help="servers in the cluster (default 3)")
     parser.add_argument("--store-dir", default=None,
                         help="keep each server's JetStream store under DIR/<name> (default: a temporary directory)")
@@ -251,10 +252,11 @@ def main(argv: list[str] | None = None) -> int:
               f"  monitoring: " + ", ".join(n.monitor("") for n in cluster.nodes), flush=True)
         while not stop["now"]:
             time.sleep(0.2)
-            dead = [n.name for n in cluster.nodes if n.process is None or n.process.poll() is not None]
-            if dead:
-                print(f"nats-server {', '.join(dead)} exited", file=sys.stderr)
-                return 1
+            for node in cluster.nodes:  # one that dies (killed to try a failover, say) comes back; the rest serve on
+                if node.process is None or node.process.poll() is not None:
+                    print(f"nats-server {node.name} exited; starting it again", file=sys.stderr, flush=True)
+                    node.process = None
+                    node.start()
     finally:
         cluster.cleanup()
     return 0

@@ -6,6 +6,7 @@ the server list that services take as --nats-url."""
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import re
 import signal
@@ -77,19 +78,25 @@ def test_a_killed_server_comes_back_with_its_store_and_rejoins(tmp_path):
         cluster.cleanup()
 
 
-def test_the_command_line_runs_a_cluster_until_sigterm():
+def test_the_command_line_runs_a_cluster_until_sigterm_and_starts_a_server_that_dies_again():
     process = subprocess.Popen([sys.executable, "-m", "services.nats_server", "--cluster", "3"], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = process.stdout.readline()
-        urls = re.search(r"up: (\S+)", line).group(1)
-        assert len(urls.split(",")) == 3, line
+        urls = re.search(r"up: (\S+)", line).group(1).split(",")
+        assert len(urls) == 3, line
 
-        async def reach() -> bool:
-            nc = await nats.connect(servers=urls.split(","))
+        async def reach(servers: list[str]) -> bool:
+            nc = await nats.connect(servers=servers, connect_timeout=2, max_reconnect_attempts=20)
             await nc.close()
             return True
-        assert asyncio.run(reach())
+        assert asyncio.run(reach(urls))
+        servers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+        assert len(servers) == 3
+        os.kill(int(servers[0]), signal.SIGKILL)  # a user trying a failover
+        while "starting it again" not in (said := process.stdout.readline()):
+            assert said, "the command line exited instead"
+        assert asyncio.run(reach(urls)) and process.poll() is None
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
