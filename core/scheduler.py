@@ -137,10 +137,10 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        most = max(min(request.max_total_tokens, self.max_model_len), self.policy.reservation(request, self.max_model_len))
+        peak_slots = max(min(request.max_total_tokens, self.max_model_len), self.policy.reservation(request, self.max_model_len))
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
-        if self.kv_cache.blocks_needed(most) > self.kv_cache.num_blocks:
-            raise ValueError(f"request needs {most} KV slots under the {self.policy.name} policy but the cache "
+        if self.kv_cache.blocks_needed(peak_slots) > self.kv_cache.num_blocks:
+            raise ValueError(f"request needs {peak_slots} KV slots under the {self.policy.name} policy but the cache "
                              f"holds {capacity}")
         request.arrival_order = self._arrivals
         self._arrivals += 1
@@ -194,15 +194,15 @@ class Scheduler:
         preempted: list[str] = []
         pending = self._decodes_then_prefills()
         active = min(len(self.running) + len(self.waiting), self.max_num_seqs)
-        most = -(-active // self.pipeline_depth)  # requests in this iteration
+        batch_limit = -(-active // self.pipeline_depth)  # requests in this iteration
         for request in self._schedulable_ahead():
-            if len(scheduled) == most or budget == 0:
+            if len(scheduled) == batch_limit or budget == 0:
                 break
             new_blocks = self.kv_cache.allocate(request.request_id, request.num_tokens + 1)
             if new_blocks is not None:  # never preempts for a step ahead: it can wait for its result
                 scheduled.append(ScheduledRequest(request.request_id, request.num_tokens, 1, new_blocks, samples=True))
                 budget -= 1
-        while pending and len(scheduled) < most:
+        while pending and len(scheduled) < batch_limit:
             request = pending.pop(0)
             num_new = self._tokens_this_iteration(request, budget)
             if num_new == 0:
@@ -212,7 +212,7 @@ class Scheduler:
                 scheduled.append(self._scheduled(request, num_new, new_blocks))
                 budget -= num_new
         if not preempted and self.policy.admission_open(num_running_at_start):
-            for request in self._admit(most - len(scheduled)):
+            for request in self._admit(batch_limit - len(scheduled)):
                 num_new = self._tokens_this_iteration(request, budget)
                 if num_new:
                     new_blocks = self.kv_cache.allocate(request.request_id, request.num_computed_tokens + num_new)
@@ -346,11 +346,11 @@ class Scheduler:
 
     # ---- admission, growth, preemption ---------------------------------------------------
 
-    def _admit(self, most: int) -> list[Request]:
+    def _admit(self, limit: int) -> list[Request]:
         """From the head of the waiting queue while the policy's reservation fits."""
         admitted: list[Request] = []
         position = 0  # requests whose grammar is compiling are passed over, not waited for
-        while position < len(self.waiting) and len(self.running) < self.max_num_seqs and len(admitted) < most:
+        while position < len(self.waiting) and len(self.running) < self.max_num_seqs and len(admitted) < limit:
             request = self.waiting[position]
             if not request.grammar_ready:
                 position += 1
