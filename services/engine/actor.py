@@ -16,8 +16,8 @@ from model.arch import eos_token_ids, resolve_max_model_len
 from services.bus import connect, drain_quietly
 from services.engine.master import EngineMaster
 from services.engine.placement import reserve_workers, worker_bundle
-from services.engine.worker import Worker
-from services.engine.workers import RayWorkerGroup
+from services.engine.worker_actor import Worker
+from services.engine.worker_group import RayWorkerGroup
 from services.logs import setup_logging
 from shared.config import EngineConfig
 

@@ -48,7 +48,7 @@ from core.scheduler import Scheduler
 from core.streams import ReplayLog
 from services.bus import on_reconnect
 from services.engine.telemetry import EngineTelemetry
-from services.engine.workers import StepTimedOut, WorkerDied, WorkerGroup
+from services.engine.worker_group import StepTimedOut, WorkerDied, WorkerGroup
 from shared import subjects
 from shared.codec import Codec
 from shared.config import EngineConfig

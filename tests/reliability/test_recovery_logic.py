@@ -12,7 +12,7 @@ from core.batch import RunnerOutput, SchedulerOutput, StepResult
 from core.liveness import STALLED_OBSERVER_S, Heartbeats
 from core.placements import Placements
 from services.engine.master import EngineMaster
-from services.engine.workers import WorkerDied
+from services.engine.worker_group import WorkerDied
 from services.gateway.status import StatusBoard
 from shared.codec import Codec
 from shared.config import CacheConfig, EngineConfig, ModelConfig

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from core.admission import AdmissionQueue
 from core.batch import RunnerOutput, SchedulerOutput, StepResult
 from core.streams import Arrival, ReplayLog, arrival
-from services.engine.worker import Worker
+from services.engine.worker_actor import Worker
 from services.gateway.resume import StreamWatch
 from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest

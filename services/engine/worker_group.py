@@ -38,7 +38,7 @@ class WorkerGroup(Protocol):
 
 
 class RayWorkerGroup:
-    """One or more worker actors; `actors` are Ray actor handles of `services.engine.worker.Worker`,
+    """One or more worker actors; `actors` are Ray actor handles of `services.engine.worker_actor.Worker`,
     in rank order."""
 
     def __init__(self, actors: list[Any]) -> None:
