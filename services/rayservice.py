@@ -23,6 +23,7 @@ import msgspec
 from ray import serve
 
 from services.cli import add_engine_args, engine_config_from_args
+from services.engine.launch import launch_master
 from services.gateway.app import RayGateway
 from services.gateway.state import GatewaySettings
 from shared import env
@@ -40,20 +41,21 @@ class AppArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     engine_replicas: int = 1
     """Engine replicas (model copies); each asks Ray for its workers' CPUs on the GPU nodes."""
     worker_threads: int | None = None
+    step_timeout_s: float = 120.0
+    """A worker with no step result within this long is taken for hung (`orca serve --step-timeout`)."""
+    worker_cpus: float = 1.0
+    """CPUs each engine worker asks Ray for (`orca serve --worker-cpus`)."""
     served_model_name: str | None = None
 
 
 class EngineReplica:
     """One engine replica: its master runs as a child actor (fate-shared with this replica)."""
 
-    def __init__(self, config: EngineConfig, nats_url: str, worker_threads: int | None) -> None:
-        import ray
-
-        from services.engine.actor import EngineMasterActor
-
+    def __init__(self, config: EngineConfig, nats_url: str, args: AppArgs) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.master = ray.remote(EngineMasterActor).options(num_cpus=0, max_concurrency=64).remote(
-            config, nats_url, self.replica, worker_threads=worker_threads)
+        self.master = launch_master(config, nats_url, self.replica, worker_threads=args.worker_threads,
+                                    step_timeout_s=args.step_timeout_s, worker_cpus=args.worker_cpus,
+                                    restarted_by_ray=False)
         self.running = self.master.run.remote()
 
     def check_health(self) -> None:
@@ -99,4 +101,4 @@ def app(args: dict[str, Any]) -> serve.Application:
     settings = GatewaySettings(nats_url=parsed.nats_url, model=config.model.model,
                                served_model_name=parsed.served_model_name, api_key=env.api_key(),
                                chat_template=config.model.chat_template)
-    return gateway.bind(settings, engines.bind(config, parsed.nats_url, parsed.worker_threads))
+    return gateway.bind(settings, engines.bind(config, parsed.nats_url, parsed))

@@ -28,16 +28,19 @@ STABLE_S = 60.0
 
 
 def launch_master(config: EngineConfig, nats_url: str, replica: str, *, worker_threads: int | None,
-                  step_timeout_s: float, worker_cpus: float) -> Any:
-    """The named master actor of one engine replica (not yet running: call `run`)."""
+                  step_timeout_s: float, worker_cpus: float, restarted_by_ray: bool = True) -> Any:
+    """The master actor of one engine replica (not yet running: call `run`); every launcher starts it
+    here. `restarted_by_ray`: a named actor Ray restarts (`orca serve`, `python -m services.engine`);
+    False for one fate-shared with a Serve replica, which Serve restarts (services/rayservice.py)."""
     import ray
 
     from services.engine.actor import EngineMasterActor
 
-    return ray.remote(EngineMasterActor).options(
-        name=f"orca-engine-{replica}", num_cpus=0, max_concurrency=64, max_restarts=-1, max_task_retries=0,
-    ).remote(config, nats_url, replica, worker_threads=worker_threads, step_timeout_s=step_timeout_s,
-             worker_cpus=worker_cpus)
+    lifecycle = ({"name": f"orca-engine-{replica}", "max_restarts": -1, "max_task_retries": 0}
+                 if restarted_by_ray else {})
+    return ray.remote(EngineMasterActor).options(num_cpus=0, max_concurrency=64, **lifecycle).remote(
+        config, nats_url, replica, worker_threads=worker_threads, step_timeout_s=step_timeout_s,
+        worker_cpus=worker_cpus)
 
 
 @dataclass
