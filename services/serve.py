@@ -192,6 +192,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         stack.callback(_stop_masters, [m.actor for m in masters])
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config)
+        wait_until_healthy(http_url, timeout_s=30.0)
         stack.callback(_stop_gateway, args.drain_timeout)
         from services.bus import redact_url
 
@@ -230,6 +231,27 @@ def start_gateway(args: argparse.Namespace, nats_url: str, config: EngineConfig)
                                api_key=args.api_key, chat_template=config.model.chat_template)
     start_on_ray_serve(settings, args.host, args.port)
     return f"http://{args.host}:{args.port}"
+
+
+def wait_until_healthy(http_url: str, timeout_s: float) -> None:
+    """Until the gateway's /health says 200 (it has heard from admission, a ready engine and a tokenizer:
+    the first tokenizer heartbeat may come a second after the gateway starts), so that "up" means
+    serving. Past `timeout_s` it says why not and goes on: the services are up, /health tells the rest."""
+    import urllib.error
+    import urllib.request
+
+    deadline, reason = time.monotonic() + timeout_s, "no answer"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{http_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            reason = exc.read().decode(errors="replace")[:300]
+        except (urllib.error.URLError, OSError) as exc:
+            reason = str(exc)
+        time.sleep(0.1)
+    print(f"  /health is not 200 yet after {timeout_s:.0f} s: {reason}", flush=True)
 
 
 def check_port_free(host: str, port: int) -> int:
