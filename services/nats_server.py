@@ -38,9 +38,21 @@ def nats_server_binary() -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports: the sockets are held open together while the ports are
+    picked (picked one after another, the OS may hand out the same port twice: two servers of one
+    cluster were given one route port, and the second died on "address already in use")."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass(frozen=True)
@@ -176,14 +188,15 @@ class LocalNatsCluster:
             raise ValueError(f"a cluster of {size} servers")
         self._tmp = None if store_dir else tempfile.TemporaryDirectory(prefix="orca-nats-cluster-")
         base = Path(store_dir or self._tmp.name)
-        route_ports = tuple(free_port() for _ in range(size))
+        ports = free_ports(3 * size)
+        route_ports, monitor_ports, client_ports = tuple(ports[:size]), ports[size:2 * size], ports[2 * size:]
         self.nodes: list[LocalNatsServer] = []
         for i, route_port in enumerate(route_ports):
             node_name = f"{name}-{i + 1}"
             (base / node_name).mkdir(parents=True, exist_ok=True)
-            self.nodes.append(LocalNatsServer(store_dir=str(base / node_name), name=node_name,
+            self.nodes.append(LocalNatsServer(port=client_ports[i], store_dir=str(base / node_name), name=node_name,
                                               cluster=ClusterMember(name, route_port, route_ports),
-                                              monitor_port=free_port()))
+                                              monitor_port=monitor_ports[i]))
 
     @property
     def urls(self) -> list[str]:
@@ -209,8 +222,9 @@ class LocalNatsCluster:
         start = time.monotonic()
         for node in nodes or self.nodes:
             while not node.healthy():
-                if node.process is None or node.process.poll() is not None:
-                    raise RuntimeError(f"nats-server {node.name} is not running")
+                dead = [n.name for n in nodes or self.nodes if n.process is None or n.process.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"nats-server {', '.join(dead)} is not running")
                 if time.monotonic() - start > timeout_s:
                     raise RuntimeError(f"nats-server {node.name} not healthy within {timeout_s} s")
                 time.sleep(0.05)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from services.nats_server import free_port, kill, nats_server_binary, terminate
+from services.nats_server import free_ports, kill, nats_server_binary, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -50,7 +50,7 @@ def nats_services() -> list[str]:
 class ComposeNatsServer:
     def __init__(self, service: str, store: Path) -> None:
         self.service, self.store = service, store
-        self.port, self.monitor_port, self.cluster_port = free_port(), free_port(), free_port()
+        self.port, self.monitor_port, self.cluster_port = free_ports(3)
         self.process: subprocess.Popen | None = None
 
     @property
