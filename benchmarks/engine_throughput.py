@@ -24,20 +24,12 @@ from shared.env import prefer_passive_openmp  # noqa: E402
 prefer_passive_openmp()  # as `orca generate` does, before torch is imported
 import torch  # noqa: E402
 
+from benchmarks.common import engine_parser, make_engine, write_summary  # noqa: E402
 from benchmarks.workload import orca_paper_workload  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from model.runner import ModelRunner  # noqa: E402
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from shared.config import CacheConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
-
-
-def make_engine(args: argparse.Namespace, policy: str) -> LLMEngine:
-    # stream_text=False: as `orca generate` runs it (texts decoded once, at each request's end)
-    return LLMEngine(EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, enforce_eager=args.enforce_eager),
-        scheduler=SchedulerConfig(policy=policy, max_num_seqs=args.max_num_seqs),
-        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size),
-    ), stream_text=False)
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -103,20 +95,12 @@ def single_stream_latency(engine: LLMEngine, prompt: list[int], decode_tokens: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--kv-cache-tokens", type=int, default=131072)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    # --scheduler is not read: orca and request-level both run (orca alone with --only-orca)
+    parser = engine_parser(__doc__, num_requests=256, kv_cache_tokens=131072)
     parser.add_argument("--input-len", type=length_range, default=(32, 512), help="prompt lengths LOW:HIGH, uniform")
     parser.add_argument("--output-len", type=length_range, default=(1, 128), help="output lengths LOW:HIGH, uniform")
     parser.add_argument("--only-orca", action="store_true", help="skip the request-level run and the bare loop")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="as `orca generate`'s flag (default: compiled on CUDA only)")
     parser.add_argument("--write-workload", help="also write the workload as JSONL (for the vLLM baseline)")
     parser.add_argument("--out", help="write the results as JSON")
     args = parser.parse_args()
@@ -132,7 +116,7 @@ def main() -> None:
     results = {}
     bare_seconds = 0.0
     for policy in ("orca",) if args.only_orca else ("orca", "request-level"):
-        engine = make_engine(args, policy)
+        engine = make_engine(args, policy)  # stream_text=False, as `orca generate` runs it
         warm_up(engine)
         engine.record_iterations = policy == "orca"
         results[policy] = run_engine(engine, workload, policy)
@@ -160,10 +144,7 @@ def main() -> None:
             "bare_loop_seconds": round(bare_seconds, 3),
             "engine_efficiency": round(bare_seconds / orca["seconds"], 3),
         })
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_summary(summary, args.out)
 
 
 if __name__ == "__main__":

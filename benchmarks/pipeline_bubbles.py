@@ -13,22 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
 
-from engine.llm_engine import LLMEngine
-from shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from shared.sampling import SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import engine_parser, make_engine  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 
 
 def run(args: argparse.Namespace, in_flight: int) -> dict:
-    config = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
-        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp))
-    engine = LLMEngine(config, max_batches_in_flight=in_flight)
+    engine = make_engine(args, stream_text=True, max_batches_in_flight=in_flight)
     try:
         rng = random.Random(args.seed)
         warm = [rng.randrange(10, 4000) for _ in range(32)]
@@ -61,25 +58,22 @@ def run(args: argparse.Namespace, in_flight: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--num-requests", type=int, default=32)
+    parser = engine_parser(__doc__, num_requests=32, max_num_seqs=32, kv_cache_tokens=32768,
+                           pipeline_parallel_size=2)
+    # this script's older names of -tp and -pp (SUPPRESS: the defaults stay those of -tp and -pp)
+    parser.add_argument("--tp", dest="tensor_parallel_size", type=int, default=argparse.SUPPRESS, help="as -tp")
+    parser.add_argument("--pp", dest="pipeline_parallel_size", type=int, default=argparse.SUPPRESS, help="as -pp")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
-    parser.add_argument("--kv-cache-tokens", type=int, default=32768)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the results as JSON")
     args = parser.parse_args()
-    results = [run(args, 1), run(args, args.pp)]
+    pp = args.pipeline_parallel_size
+    results = [run(args, 1), run(args, pp)]
     for r in results:
         per_stage = ", ".join(f"rank {s['rank']}: {s['bubble_fraction']:.1%}" for s in r["stages"])
         print(f"{r['batches_in_flight']} batch(es) in flight: bubble fraction {r['bubble_fraction']:.1%} "
               f"({per_stage}); {r['tokens_per_s']} tok/s, {r['iterations']} iterations, {r['wall_s']} s")
-    print(f"throughput ratio ({args.pp} vs 1 in flight): {results[1]['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x")
+    print(f"throughput ratio ({pp} vs 1 in flight): {results[1]['tokens_per_s'] / results[0]['tokens_per_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

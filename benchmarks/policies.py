@@ -14,7 +14,6 @@ p99 inter-token latency of the decoding requests, with and without chunked prefi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -22,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import write_summary  # noqa: E402
 from benchmarks.workload import orca_paper_workload  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
@@ -102,10 +102,7 @@ def main() -> None:
                "decode_stall_with_chunked_prefill": decode_stalls(args, args.chunk),
                "kv_cache_tokens": args.kv_cache_tokens, "num_requests": args.num_requests,
                "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", "")}
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_summary(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -25,16 +25,37 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import nats  # noqa: E402
 
-from benchmarks.engine_throughput import make_engine, run_engine, warm_up  # noqa: E402
+from benchmarks.common import engine_parser, make_engine, write_summary  # noqa: E402
+from benchmarks.engine_throughput import run_engine, warm_up  # noqa: E402
 from benchmarks.workload import orca_paper_workload  # noqa: E402
+from services.cli import add_engine_args  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.codec import Codec  # noqa: E402
 from shared.messages import EngineStatus  # noqa: E402
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """This run's engine flags as `orca serve` takes them, so it serves the engine measured in process."""
+    probe = argparse.ArgumentParser()
+    add_engine_args(probe, model_required=False)
+    argv = []
+    for action in probe._actions:  # argparse lists a parser's flags only privately
+        value = getattr(args, action.dest, None)
+        flag = action.option_strings[-1]  # the long name: --tensor-parallel-size, not -tp
+        if action.dest == "help" or value is None:
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(action.option_strings[0] if value else action.option_strings[1])  # --x / --no-x
+        elif action.nargs == 0:  # store_true
+            if value:
+                argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", args.model, "--max-num-seqs",
-           str(args.max_num_seqs), "--kv-cache-tokens", str(args.kv_cache_tokens), "--dtype", args.dtype]
+    cmd = [sys.executable, "-m", "services.cli", "serve", *engine_argv(args)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -97,19 +118,12 @@ async def run_over_nats(url: str, workload: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--kv-cache-tokens", type=int, default=131072)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = engine_parser(__doc__, num_requests=128, kv_cache_tokens=131072)  # `orca serve` gets the same flags
     parser.add_argument("--out")
     args = parser.parse_args()
     workload = orca_paper_workload(args.num_requests, args.seed)
 
-    engine = make_engine(args, "orca")
+    engine = make_engine(args)
     warm_up(engine)
     local = run_engine(engine, workload, "in-process")
     del engine
@@ -129,10 +143,7 @@ def main() -> None:
         "iterations": served["iterations"],
         "tcmalloc": "tcmalloc" in os.environ.get("LD_PRELOAD", ""),
     }
-    print(json.dumps(summary, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_summary(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -29,10 +29,10 @@ from shared.env import prefer_passive_openmp  # noqa: E402
 prefer_passive_openmp()  # as `orca generate` does, before torch is imported
 import torch  # noqa: E402
 
+from benchmarks.common import engine_parser, make_engine, write_summary  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from model.arch import eos_token_ids, load_arch_config  # noqa: E402
 from model.structured import GrammarMatchers  # noqa: E402
-from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.structured import StructuredOutputs  # noqa: E402
 
@@ -69,11 +69,6 @@ def workload(args: argparse.Namespace, vocab: int) -> list[dict]:
     return [{"id": f"r{i}", "prompt": [rng.randrange(10, vocab) for _ in range(rng.randint(16, 96))],
              "max_tokens": rng.randint(64, 160), "schema": names[i // 2 % len(names)] if i % 2 == 0 else None}
             for i in range(args.num_requests)]
-
-
-def make_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=ModelConfig(model=args.model), scheduler=SchedulerConfig(max_num_seqs=64),
-                                  cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens)), stream_text=False)
 
 
 def run(engine: LLMEngine, requests: list[dict], constrained: bool, lengths: dict[str, int] | None) -> dict:
@@ -134,12 +129,8 @@ def compile_times(model: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--kv-cache-tokens", type=int, default=32768)
+    parser = engine_parser(__doc__, num_requests=64, max_num_seqs=64, kv_cache_tokens=32768, dtype="auto")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="write the results as JSON here")
     args = parser.parse_args()
     arch = load_arch_config(args.model)
@@ -173,10 +164,7 @@ def main() -> None:
         "valid_json": [c["valid_json"] for c, _ in pairs],
         "compile": compile_times(args.model),
     }
-    print(json.dumps(result, indent=2))
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+    write_summary(result, args.output)
 
 
 if __name__ == "__main__":
