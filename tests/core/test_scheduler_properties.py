@@ -5,16 +5,9 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.batch import RunnerOutput
-from tests.core.helpers import EOS, make_request, make_scheduler
+from tests.core.helpers import abort_due, add_arrivals, make_scheduler, sample_eos_at, workload_requests
 
-request_st = st.tuples(
-    st.integers(0, 6),  # arrival iteration
-    st.integers(1, 20),  # prompt length
-    st.integers(1, 12),  # max_tokens
-    st.one_of(st.none(), st.integers(0, 12)),  # output index at which EOS is sampled
-    st.one_of(st.none(), st.integers(0, 30)),  # iteration at which the client aborts
-)
+request_st = workload_requests(last_arrival=6, max_prompt_len=20, max_tokens=12, last_abort=30)
 config_st = st.fixed_dictionaries({
     "policy": st.sampled_from(["orca", "request-level"]),
     "block_size": st.sampled_from([1, 4]),
@@ -31,24 +24,13 @@ def test_scheduler_invariants(config, requests, num_blocks):
     s = make_scheduler(config["policy"], num_blocks=num_blocks * 4 // block_size, block_size=block_size,
                        max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
                        max_model_len=32, enable_chunked_prefill=config["enable_chunked_prefill"])
-    accepted: dict[str, tuple] = {}
+    accepted: dict[str, int | None] = {}  # in arrival order
     finished: dict[str, object] = {}
     admitted: list[str] = []
-    arrival_rank: dict[str, int] = {}
     for iteration in range(500):
-        for i, (arrival, prompt_len, max_tokens, eos_at, abort_at) in enumerate(requests):
-            rid = f"r{i}"
-            if arrival == iteration:
-                try:
-                    s.add_request(make_request(rid, prompt_len, max_tokens, ignore_eos=eos_at is None))
-                except ValueError:
-                    continue  # refused up front (too long for this cache): fine, it never entered
-                accepted[rid] = (eos_at, abort_at)
-                arrival_rank[rid] = len(arrival_rank)
-            if abort_at == iteration and rid in accepted and rid not in finished:
-                event = s.abort(rid)
-                assert event is not None
-                finished[rid] = event.finish_reason
+        accepted |= add_arrivals(s, requests, iteration)
+        for event in abort_due(s, requests, iteration, live=accepted.keys() - finished.keys()):
+            finished[event.request_id] = event.finish_reason
         running_before = {r.request_id for r in s.running}
         out = s.schedule()
         newly = [r.request_id for r in s.running if r.request_id not in running_before]
@@ -57,20 +39,14 @@ def test_scheduler_invariants(config, requests, num_blocks):
         admitted.extend(newly)
         # capacity: what is reserved never exceeds the cache
         assert s.kv_cache.num_used_blocks <= s.kv_cache.num_blocks
-        sampled = {}
-        for item in out.scheduled:
-            if item.samples:
-                request = s.requests[item.request_id]
-                eos_at = accepted[item.request_id][0]
-                sampled[item.request_id] = EOS if eos_at == len(request.output_token_ids) else 7
-        for event in s.update(out, RunnerOutput(sampled_token_ids=sampled)):
+        for event in s.update(out, sample_eos_at(s, out, accepted)):
             if event.finish_reason is not None:
                 finished[event.request_id] = event.finish_reason
         if iteration > 6 and not s.has_unfinished:
             break
     assert set(finished) == set(accepted), "every accepted request ends with a final event"
     assert s.kv_cache.num_used_blocks == 0, "KV leaked"
-    assert admitted == sorted(admitted, key=arrival_rank.__getitem__), "admission is FCFS"
+    assert admitted == sorted(admitted, key=list(accepted).index), "admission is FCFS"
 
 
 @settings(max_examples=200, deadline=None)
@@ -88,13 +64,7 @@ def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_bl
     runner_tokens: dict[str, list[int]] = {}  # what a pipeline stage knows of each request
     in_flight: list = []
     for iteration in range(600):
-        for i, (arrival, prompt_len, max_tokens, eos_at, _) in enumerate(requests):
-            if arrival == iteration:
-                try:
-                    s.add_request(make_request(f"r{i}", prompt_len, max_tokens, ignore_eos=eos_at is None))
-                    accepted[f"r{i}"] = eos_at
-                except ValueError:
-                    pass
+        accepted |= add_arrivals(s, requests, iteration)
         out = s.schedule()
         for rid in out.finished_request_ids + out.preempted_request_ids:
             runner_tokens.pop(rid, None)
@@ -110,12 +80,7 @@ def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_bl
             in_flight.append(out)
         if len(in_flight) >= depth or (in_flight and not out.scheduled):
             oldest = in_flight.pop(0)
-            sampled = {}
-            for item in oldest.scheduled:
-                request = s.requests.get(item.request_id)
-                if item.samples and request is not None:
-                    sampled[item.request_id] = EOS if accepted[item.request_id] == len(request.output_token_ids) else 7
-            for event in s.update(oldest, RunnerOutput(sampled_token_ids=sampled)):
+            for event in s.update(oldest, sample_eos_at(s, oldest, accepted, in_flight=True)):
                 if event.finish_reason is not None:
                     finished.add(event.request_id)
         if iteration > 6 and not s.has_unfinished and not in_flight:

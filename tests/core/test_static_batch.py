@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from core.batch import RunnerOutput
 from shared.outputs import FinishReason
-from tests.core.helpers import EOS, fake_step, make_request, make_scheduler
+from tests.core.helpers import (EOS, abort_due, add_arrivals, fake_step, make_request, make_scheduler, sample_eos_at,
+                                workload_requests)
 
 
 def lanes(output) -> dict[str, tuple[int, bool]]:
@@ -175,13 +175,7 @@ def test_prefix_caching_is_refused():
 
 # ---- property test ----------------------------------------------------------------------
 
-request_st = st.tuples(
-    st.integers(0, 8),  # arrival iteration
-    st.integers(1, 12),  # prompt length
-    st.integers(1, 10),  # max_tokens
-    st.one_of(st.none(), st.integers(0, 10)),  # output index at which EOS is sampled
-    st.one_of(st.none(), st.integers(0, 40)),  # iteration at which the client aborts
-)
+request_st = workload_requests(last_arrival=8, max_prompt_len=12, max_tokens=10, last_abort=40)
 
 
 @settings(max_examples=200, deadline=None)
@@ -194,26 +188,16 @@ def test_static_batch_invariants(requests, max_num_seqs, block_size, num_blocks,
     return only at a batch's end (or an abort); every request ends once, FCFS, and no KV leaks."""
     s = make_scheduler("static", num_blocks=num_blocks * 16 // block_size, block_size=block_size,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=16)
-    accepted: dict[str, int | None] = {}
+    accepted: dict[str, int | None] = {}  # in arrival order
     finished: set[str] = set()
     admitted: list[str] = []
     runner: dict[str, list[int]] = {}
     batch: list[str] = []
-    arrival_rank: dict[str, int] = {}
     for iteration in range(800):
-        for i, (arrival, prompt_len, max_tokens, eos_at, abort_at) in enumerate(requests):
-            rid = f"r{i}"
-            if arrival == iteration:
-                try:
-                    s.add_request(make_request(rid, prompt_len, max_tokens, ignore_eos=eos_at is None))
-                    accepted[rid] = eos_at
-                    arrival_rank[rid] = len(arrival_rank)
-                except ValueError:
-                    pass
-            if abort_at == iteration and rid in accepted and rid not in finished:
-                assert s.abort(rid) is not None
-                finished.add(rid)
-                batch = [b for b in batch if b != rid]
+        accepted |= add_arrivals(s, requests, iteration)
+        for event in abort_due(s, requests, iteration, live=accepted.keys() - finished):
+            finished.add(event.request_id)
+            batch = [b for b in batch if b != event.request_id]
         out = s.schedule()
         for rid in out.finished_request_ids:
             runner.pop(rid, None)
@@ -237,12 +221,7 @@ def test_static_batch_invariants(requests, max_num_seqs, block_size, num_blocks,
             assert not (item.samples and request.finish_reason is not None), "a dead lane sampled"
             positions.add(item.num_computed_tokens)
         assert len(positions) <= 1 or all(x.num_computed_tokens == 0 for x in out.scheduled)
-        sampled = {}
-        for item in out.scheduled:
-            if item.samples:
-                request = s.requests[item.request_id]
-                sampled[item.request_id] = EOS if accepted[item.request_id] == len(request.output_token_ids) else 7
-        events = s.update(out, RunnerOutput(sampled_token_ids=sampled))
+        events = s.update(out, sample_eos_at(s, out, accepted))
         if events:
             assert all(e.finish_reason is not None for e in events), "an output returned before its batch ended"
             assert {e.request_id for e in events} == set(batch), "the whole batch returns at once"
@@ -252,4 +231,4 @@ def test_static_batch_invariants(requests, max_num_seqs, block_size, num_blocks,
             break
     assert finished == set(accepted), "every accepted request ends with a final event"
     assert s.kv_cache.num_used_blocks == 0, "KV leaked"
-    assert admitted == sorted(admitted, key=arrival_rank.__getitem__), "admission is FCFS"
+    assert admitted == sorted(admitted, key=list(accepted).index), "admission is FCFS"

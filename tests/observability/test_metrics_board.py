@@ -91,15 +91,6 @@ def test_histogram_buckets_are_le():
     assert h.counts == [2, 2, 1] and h.sum == 8.0
 
 
-@pytest.fixture(scope="module")
-def nats_url():
-    from services.nats_server import LocalNatsServer
-
-    server = LocalNatsServer().start()
-    yield server.url
-    server.cleanup()
-
-
 def test_snapshots_travel_over_nats_to_the_board(nats_url):
     async def main():
         board = MetricsBoard()

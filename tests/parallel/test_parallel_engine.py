@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Completion, LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from shared.sampling import SamplingParams
 from tests.services.stack import ROOT
@@ -26,21 +26,29 @@ def engine(model: str, tp: int, pp: int) -> LLMEngine:
         parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp)))
 
 
-def generate(model: str, tp: int, pp: int) -> tuple[dict[str, list[int]], LLMEngine]:
-    e = engine(model, tp, pp)
-    e.record_iterations = True
+def complete(e: LLMEngine, params: list[SamplingParams]) -> dict[str, Completion]:
+    """PROMPTS (request r<i> with params[i]) run to their end on `e`, which is then closed: each
+    request's final completion."""
     try:
-        for i, prompt in enumerate(PROMPTS):
-            e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True))
-        tokens: dict[str, list[int]] = {}
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
+            e.add_request(f"r{i}", prompt, p)
+        done: dict[str, Completion] = {}
         while e.has_unfinished:
             for delta in e.step():
                 if delta.finished:
-                    tokens[delta.completion.request_id] = delta.completion.token_ids
+                    done[delta.completion.request_id] = delta.completion
     finally:
         e.close()
+    return done
+
+
+def generate(model: str, tp: int, pp: int) -> tuple[dict[str, list[int]], LLMEngine]:
+    e = engine(model, tp, pp)
+    e.record_iterations = True
+    done = complete(e, [SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True)
+                        for i in range(len(PROMPTS))])
     assert e.kv_cache.num_used_blocks == 0
-    return tokens, e
+    return {rid: c.token_ids for rid, c in done.items()}, e
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +113,10 @@ def test_constrained_outputs_do_not_depend_on_the_split(demo_model, tp, pp):
     specs = [StructuredOutputs(json=schema), StructuredOutputs(regex=r"[a-z]{2,6}"), StructuredOutputs(choice=["x", "y"])]
 
     def run(tp: int, pp: int) -> dict[str, str]:
-        e = engine(demo_model, tp, pp)
-        try:
-            for i, prompt in enumerate(PROMPTS):
-                e.add_request(f"r{i}", prompt, SamplingParams(max_tokens=60, temperature=0.0,
-                                                              structured_outputs=specs[i % len(specs)]))
-            texts: dict[str, str] = {}
-            while e.has_unfinished:
-                for delta in e.step():
-                    if delta.finished:
-                        texts[delta.completion.request_id] = delta.completion.text
-        finally:
-            e.close()
-        return texts
+        done = complete(engine(demo_model, tp, pp), [
+            SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=specs[i % len(specs)])
+            for i in range(len(PROMPTS))])
+        return {rid: c.text for rid, c in done.items()}
 
     split = run(tp, pp)
     assert split == run(1, 1)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 
-import nats
 import pytest
 
-from tests.services.stack import OrcaServe, engine_statuses, stream, worker_pids
+from tests.services.stack import OrcaServe, engine_statuses, kill_while_streaming, worker_pids
 from tests.services.test_pipeline import in_process, produce_concurrently
 
 pytestmark = pytest.mark.slow
@@ -53,18 +51,8 @@ def test_a_killed_worker_costs_no_request_and_the_engine_serves_again(parallel_s
     assert len(workers) == 4
     requests = bodies("victim", 4, 60)
 
-    async def go():
-        nc = await nats.connect(parallel_stack.nats_url)
-        started = asyncio.Event()
-        tasks = [asyncio.create_task(stream(nc, b, timeout_s=300, on_event=lambda e: started.set()))
-                 for b in requests]
-        await asyncio.wait_for(started.wait(), 120)
-        os.kill(workers[2], signal.SIGKILL)
-        results = await asyncio.gather(*tasks)
-        await nc.close()
-        return results
-
-    results = asyncio.run(go())
+    results = asyncio.run(kill_while_streaming(parallel_stack.nats_url, requests, workers[2], started_within_s=120,
+                                               timeout_s=300))
     reference = in_process(demo_model, requests, dtype="float64")
     for body, events in zip(requests, results):
         final = events[-1]

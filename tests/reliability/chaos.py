@@ -44,6 +44,8 @@ def bodies() -> list[dict]:
 
 @dataclass
 class Ledger:
+    """Every request a load sent, by how it ended (the terms above)."""
+
     sent: int = 0
     completed: int = 0
     errored: int = 0
@@ -53,7 +55,7 @@ class Ledger:
     resends: int = 0
     http_errored: int = 0
     completions: list[tuple[float, float, str]] = field(default_factory=list)
-    """(sent at, done at, "nats" or "http"), monotonic, of each completed request."""
+    """(sent at, done at, "nats" or "http") of each completed request, on the clock its faults are timed by."""
     problems: list[str] = field(default_factory=list)
 
     def served_after(self, fault_at: float, transport: str | None = None) -> float | None:

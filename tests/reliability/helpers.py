@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import nats
 from services.nats_server import MAX_PAYLOAD, free_port, nats_server_binary, terminate
 from shared import subjects
 from shared.client import generate
-from tests.services.stack import descendants
+from tests.services.stack import descendants, engine_statuses, worker_pids
 
 
 class Broker:
@@ -178,6 +180,34 @@ def long_requests(prefix: str, n: int, max_tokens: int) -> list[dict]:
              "ignore_eos": True} for i in range(n)]
 
 
+@asynccontextmanager
+async def streaming(nats_url: str, http_url: str, bodies: list[dict],
+                    timeout_s: float) -> AsyncIterator[tuple[httpx.AsyncClient, list[asyncio.Task]]]:
+    """A gateway that answered /health with 200, and `bodies` streaming over NATS with tokens
+    already flowing (each task: one request's events): the moment a fault test strikes."""
+    nc = await connect(nats_url)
+    async with httpx.AsyncClient(base_url=http_url, timeout=30) as client:
+        assert (await client.get("/health")).status_code == 200
+        tasks = [asyncio.create_task(stream(nc, b, timeout_s=timeout_s)) for b in bodies]
+        await asyncio.sleep(0.5)  # tokens are flowing
+        yield client, tasks
+    await nc.close()
+
+
+async def timed_completion(client: httpx.AsyncClient, prompt: str) -> tuple[httpx.Response, float]:
+    """A 4-token completion over HTTP: the response, and the seconds the gateway took to give it."""
+    asked = time.monotonic()
+    response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+    return response, time.monotonic() - asked
+
+
+def assert_worker_replaced(stack, old_pid: int) -> None:
+    """Ray restarted the session's one worker (a new process), and every engine is ready with no KV in use."""
+    assert old_pid not in worker_pids(stack.serve) and len(worker_pids(stack.serve)) == 1, "restarted by Ray"
+    statuses = run(engine_statuses(stack.nats_url), 30)
+    assert statuses and all(s.ready and s.kv_used_blocks == 0 for s in statuses.values())
+
+
 async def wait_for_health(client: httpx.AsyncClient, code: int, timeout_s: float) -> float:
     """Seconds until GET /health answers `code`; AssertionError after `timeout_s`."""
     start = time.monotonic()
@@ -230,8 +260,6 @@ async def results_stored(js) -> int:
 
 def wait_engines_idle(nats_url: str, timeout_s: float) -> float:
     """Seconds until every engine reports ready with no request and no KV block in use."""
-    from tests.services.stack import engine_statuses
-
     async def idle() -> bool:
         statuses = await engine_statuses(nats_url, seconds=1.0)
         return bool(statuses) and all(s.ready and s.kv_used_blocks == 0 and s.num_running == 0 and s.num_waiting == 0

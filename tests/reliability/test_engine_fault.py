@@ -11,11 +11,11 @@ import asyncio
 import os
 import time
 
-import httpx
 import pytest
 
-from tests.reliability.helpers import connect, long_requests, run, stream, wait_for_health
-from tests.services.stack import engine_statuses, worker_pids
+from tests.reliability.helpers import (assert_worker_replaced, long_requests, run, streaming, timed_completion,
+                                       wait_for_health)
+from tests.services.stack import worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -32,25 +32,18 @@ def test_a_forward_pass_that_raises_errors_every_request_and_the_engine_restarts
     [worker] = worker_pids(stack.serve)
 
     async def go() -> dict:
-        nc = await connect(stack.nats_url)
         figures: dict[str, float] = {}
-        async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as client:
-            assert (await client.get("/health")).status_code == 200
-            tasks = [asyncio.create_task(stream(nc, b, timeout_s=60)) for b in bodies]
-            await asyncio.sleep(0.5)  # tokens are flowing
+        async with streaming(stack.nats_url, stack.http_url, bodies, timeout_s=60) as (client, tasks):
             inject(stack.fault_file, "raise")
             faulted_at = time.monotonic()
             results = await asyncio.gather(*tasks)
             figures["errors_in_s"] = time.monotonic() - faulted_at
             await wait_for_health(client, 503, 10)
             figures["unhealthy_s"] = time.monotonic() - faulted_at
-            asked = time.monotonic()
-            refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
-            figures["refused_in_s"] = time.monotonic() - asked
+            refused, figures["refused_in_s"] = await timed_completion(client, "hi")
             await wait_for_health(client, 200, 120)
             figures["recovered_s"] = time.monotonic() - faulted_at
             after = await client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 4})
-        await nc.close()
         return {"figures": figures, "results": results, "refused": refused, "after": after}
 
     out = run(go(), 240)
@@ -65,6 +58,4 @@ def test_a_forward_pass_that_raises_errors_every_request_and_the_engine_restarts
     assert out["refused"].status_code == 503 and out["refused"].headers["retry-after"], out["refused"].text
     assert out["figures"]["refused_in_s"] < 1.0
     assert out["after"].status_code == 200, out["after"].text
-    assert worker not in worker_pids(stack.serve) and len(worker_pids(stack.serve)) == 1, "restarted by Ray"
-    statuses = run(engine_statuses(stack.nats_url), 30)
-    assert statuses and all(s.ready and s.kv_used_blocks == 0 for s in statuses.values())
+    assert_worker_replaced(stack, worker)

@@ -20,6 +20,7 @@ from shared.messages import (MAX_RESUMES, Admit, AdmissionStatus, EngineStatus, 
                              TokenizedRequest, TokenizerStatus)
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
+from tests.fake_nats import RecordingNats
 
 EXPIRY = 3.0
 
@@ -150,23 +151,16 @@ def token_at(position: int) -> int:
     return 10 + position % 50
 
 
-class FakeBus:
+class FakeBus(RecordingNats):
     """An in-memory NATS connection; a step message is answered (through `on_result`) by the fake
     model, unless the workers are set to die."""
 
     def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
+        super().__init__()
         self.master: EngineMaster | None = None
-        self.is_closed = False
-
-    def new_inbox(self) -> str:
-        return "_INBOX.fake"
-
-    async def subscribe(self, subject: str, queue: str = "", cb=None) -> None:
-        return None
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
-        self.published.append((subject, payload))
+        await super().publish(subject, payload, reply, headers)
         if subject.endswith(".step"):
             step = Codec(SchedulerOutput).decode(payload)
             sampled = {s.request_id: token_at(s.num_computed_tokens + s.num_new_tokens)
@@ -175,19 +169,15 @@ class FakeBus:
             asyncio.get_running_loop().call_soon(
                 lambda: asyncio.ensure_future(self.master.on_result(SimpleNamespace(data=Codec.encode(result)))))
 
-    async def flush(self, timeout: float = 0) -> None:
-        return None
-
     def outputs(self, owner: str = "tok") -> dict[str, list]:
         """Per request: its tokens, and its final (reason, error) if it ended."""
         seen: dict[str, list] = {}
-        for subject, data in self.published:
-            if subject == f"orca.v1.detok.{owner}":
-                for out in Codec(IterationOutputs).decode(data).outputs:
-                    entry = seen.setdefault(out.request_id, [[], None])
-                    entry[0] += out.new_token_ids
-                    if out.finish_reason is not None:
-                        entry[1] = (out.finish_reason, out.error)
+        for data in self.on(f"orca.v1.detok.{owner}"):
+            for out in Codec(IterationOutputs).decode(data).outputs:
+                entry = seen.setdefault(out.request_id, [[], None])
+                entry[0] += out.new_token_ids
+                if out.finish_reason is not None:
+                    entry[1] = (out.finish_reason, out.error)
         return seen
 
 

@@ -12,11 +12,11 @@ import os
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 
+from tests.reliability.chaos import Ledger
 from tests.reliability.helpers import (Session, connect, job_results, publish_job, results_stored, run, stream,
                                        wait_engines_idle)
 from tests.services.stack import descendants, worker_pids
@@ -34,31 +34,6 @@ REQUEST_TIMEOUT_S = 120.0
 is a worker restart of ~20 s on a busy 2-core machine)."""
 
 
-@dataclass
-class Ledger:
-    sent: int = 0
-    completed: int = 0
-    errored: int = 0
-    refusals: int = 0
-    """HTTP 503s at the door (no engine ready: the master restarting), each retried by its client."""
-    lost: int = 0
-    completions: list[tuple[float, float]] = field(default_factory=list)
-    """(sent at, finished at) of each completed request, seconds since the soak began."""
-    errors: dict[str, int] = field(default_factory=dict)
-    lost_requests: list[str] = field(default_factory=list)
-    """What each lost request was and when it was sent, to tell which fault lost it."""
-
-    def error(self, why: str) -> None:
-        self.errored += 1
-        key = why[:60]
-        self.errors[key] = self.errors.get(key, 0) + 1
-
-    def recovery_s(self, fault_at: float) -> float | None:
-        """From a fault to the first completion of a request sent after it."""
-        done = [end for start, end in self.completions if start >= fault_at]
-        return min(done) - fault_at if done else None
-
-
 def body(rng: random.Random, request_id: str) -> dict:
     return {"id": request_id, "prompt": rng.choice(["def main():", "import os", "x = 1", "class A:"]),
             "max_tokens": rng.randint(8, 48), "temperature": 0, "ignore_eos": True}
@@ -74,16 +49,15 @@ async def nats_client(url: str, n: int, until: float, began: float, ledger: Ledg
         ledger.sent += 1
         try:
             events = await stream(nc, body(rng, f"soak-{n}-{i}"), REQUEST_TIMEOUT_S)
-        except TimeoutError:
-            ledger.lost += 1
-            ledger.lost_requests.append(f"nats soak-{n}-{i} sent at {sent_at:.1f} s")
+        except TimeoutError:  # no final event: lost, and when it was sent tells which fault lost it
+            ledger.note("lost", f"nats soak-{n}-{i} sent at {sent_at:.1f} s")
             continue
         final = events[-1]
         if final["finish_reason"] in ("length", "stop"):
             ledger.completed += 1
-            ledger.completions.append((sent_at, time.monotonic() - began))
+            ledger.completions.append((sent_at, time.monotonic() - began, "nats"))
         else:
-            ledger.error(final.get("error") or final["finish_reason"])
+            ledger.note("errored", final.get("error") or final["finish_reason"])
             await asyncio.sleep(0.2)  # as a client would back off
     await nc.close()
 
@@ -98,19 +72,19 @@ async def http_client(url: str, n: int, until: float, began: float, ledger: Ledg
             ledger.sent += 1
             try:
                 response = await client.post("/v1/completions", json=payload)
-                while response.status_code in (429, 503):  # refused at the door: retried, as OpenAI's client does
+                # refused at the door (no engine ready: the master restarting): retried, as OpenAI's client does
+                while response.status_code in (429, 503):
                     ledger.refusals += 1
                     await asyncio.sleep(min(float(response.headers.get("retry-after", "1")), 2.0))
                     response = await client.post("/v1/completions", json=payload)
             except httpx.HTTPError as exc:
-                ledger.lost += 1
-                ledger.lost_requests.append(f"http {type(exc).__name__} sent at {sent_at:.1f} s")
+                ledger.note("lost", f"http {type(exc).__name__} sent at {sent_at:.1f} s")
                 continue
             if response.status_code == 200:
                 ledger.completed += 1
-                ledger.completions.append((sent_at, time.monotonic() - began))
+                ledger.completions.append((sent_at, time.monotonic() - began, "http"))
             else:
-                ledger.error(f"HTTP {response.status_code}")
+                ledger.note("errored", f"HTTP {response.status_code}")
                 await asyncio.sleep(0.2)
 
 
@@ -204,14 +178,14 @@ def test_soak_with_a_worker_kill_a_master_kill_and_a_broker_restart(stack):
     results, stored_after = run(check_jobs(), 240)
     idle_s = wait_engines_idle(stack.nats_url, 60)
     after = settle(stack, session, before, 30)
-    recovery = {name: ledger.recovery_s(at) for name, at in faults.items()}
+    recovery = {name: ledger.served_after(at) for name, at in faults.items()}
     print(f"soak {SOAK_S:.0f} s: sent {ledger.sent}, completed {ledger.completed}, errored {ledger.errored}, "
-          f"lost {ledger.lost}, refused at the door {ledger.refusals}; errors {ledger.errors}; jobs {len(job_ids)}, results {len(results)}, "
+          f"lost {ledger.lost}, refused at the door {ledger.refusals}; problems {ledger.problems}; jobs {len(job_ids)}, results {len(results)}, "
           f"stored {stored_after - stored_before}; faults at {faults}; recovery {recovery}; "
           f"KV idle after {idle_s:.1f} s; before {before}; after {after}")
     assert ledger.sent == ledger.completed + ledger.errored + ledger.lost
-    assert ledger.lost == 0, f"requests never ended: {ledger.lost_requests}\n" + "".join(stack.serve.log[-80:])
-    assert ledger.errored == 0, f"requests errored: {ledger.errors}"
+    assert ledger.lost == 0, f"requests never ended: {ledger.problems}\n" + "".join(stack.serve.log[-80:])
+    assert ledger.errored == 0, f"requests errored: {ledger.problems}"
     assert all(r is not None for r in recovery.values()), f"no request completed after a fault: {recovery}"
     assert sorted(results) == sorted(job_ids), "a job was lost"
     assert all(r["finish_reason"] == "length" for r in results.values()), results

@@ -10,12 +10,12 @@ import os
 import signal
 import time
 
-import httpx
 import pytest
 
 from tests.reliability.conftest import STEP_TIMEOUT_S
-from tests.reliability.helpers import connect, greedy_outputs, long_requests, run, stream, tokens_of, wait_for_health
-from tests.services.stack import engine_statuses, worker_pids
+from tests.reliability.helpers import (assert_worker_replaced, greedy_outputs, long_requests, run, streaming,
+                                       timed_completion, tokens_of, wait_for_health)
+from tests.services.stack import worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -26,18 +26,12 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
     [victim] = worker_pids(stack.serve)
 
     async def go() -> dict:
-        nc = await connect(stack.nats_url)
         figures: dict[str, float] = {}
-        async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as client:
-            assert (await client.get("/health")).status_code == 200
-            tasks = [asyncio.create_task(stream(nc, b, timeout_s=120)) for b in bodies]
-            await asyncio.sleep(0.5)  # tokens are flowing
+        async with streaming(stack.nats_url, stack.http_url, bodies, timeout_s=120) as (client, tasks):
             os.kill(victim, signal.SIGSTOP)
             hung_at = time.monotonic()
             figures["detected_s"] = await wait_for_health(client, 503, STEP_TIMEOUT_S + 10)
-            asked = time.monotonic()
-            refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
-            figures["refused_in_s"] = time.monotonic() - asked
+            refused, figures["refused_in_s"] = await timed_completion(client, "hi")
             assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
             await wait_for_health(client, 200, 120)
             figures["recovered_s"] = time.monotonic() - hung_at
@@ -45,7 +39,6 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
             figures["all_finished_s"] = time.monotonic() - hung_at
             after = await client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 4})
             assert after.status_code == 200, after.text
-        await nc.close()
         return {"figures": figures, "results": results}
 
     out = run(go(), 240)
@@ -55,6 +48,4 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
         assert tokens_of(events) == expected[body["id"]], body["id"]
     assert out["figures"]["detected_s"] < STEP_TIMEOUT_S + 5
     assert out["figures"]["refused_in_s"] < 1.0
-    assert victim not in worker_pids(stack.serve) and len(worker_pids(stack.serve)) == 1, "Ray restarted it"
-    statuses = run(engine_statuses(stack.nats_url), 30)
-    assert statuses and all(s.ready and s.kv_used_blocks == 0 for s in statuses.values())
+    assert_worker_replaced(stack, victim)

@@ -70,6 +70,20 @@ async def stream(nc, body: dict | bytes, timeout_s: float = 120.0,
         await sub.unsubscribe()
 
 
+async def kill_while_streaming(nats_url: str, bodies: list[dict], pid: int, started_within_s: float,
+                               timeout_s: float = 120.0) -> list[list[dict]]:
+    """Stream `bodies`, SIGKILL `pid` as soon as the first event of any arrives, and return each
+    request's events up to its final one."""
+    nc = await nats.connect(nats_url)
+    started = asyncio.Event()
+    tasks = [asyncio.create_task(stream(nc, b, timeout_s=timeout_s, on_event=lambda e: started.set())) for b in bodies]
+    await asyncio.wait_for(started.wait(), started_within_s)
+    os.kill(pid, signal.SIGKILL)
+    results = await asyncio.gather(*tasks)
+    await nc.close()
+    return results
+
+
 async def engine_statuses(nats_url: str, seconds: float = 1.5) -> dict[str, object]:
     """The latest status of each engine replica, heard over `seconds`."""
     from shared.codec import Codec

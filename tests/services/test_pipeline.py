@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
-import signal
 
 import nats
 import pytest
@@ -14,7 +12,7 @@ import pytest
 from engine.batch_job import run_batch
 from engine.llm_engine import LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tests.services.stack import OrcaServe, engine_statuses, stream, worker_pids
+from tests.services.stack import OrcaServe, engine_statuses, kill_while_streaming, stream, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -206,16 +204,7 @@ def test_requests_resume_with_the_same_output_after_their_worker_is_killed(stack
     bodies = [{"id": f"victim-{i}", "prompt": f"x = {i}", "max_tokens": 120, "temperature": 0, "ignore_eos": True}
               for i in range(6)]
 
-    async def go():
-        nc = await nats.connect(stack.nats_url)
-        started = asyncio.Event()
-        tasks = [asyncio.create_task(stream(nc, b, on_event=lambda e: started.set())) for b in bodies]
-        await asyncio.wait_for(started.wait(), 60)
-        os.kill(workers[0], signal.SIGKILL)
-        results = await asyncio.gather(*tasks)
-        await nc.close()
-        return results
-    results = asyncio.run(go())
+    results = asyncio.run(kill_while_streaming(stack.nats_url, bodies, workers[0], started_within_s=60))
     expected = in_process(demo_model, bodies)
     for body, events in zip(bodies, results):
         assert events[-1]["finish_reason"] == "length", events[-1]

@@ -13,6 +13,7 @@ from shared import subjects
 from shared.codec import Codec
 from shared.messages import IterationOutputs
 from shared.outputs import FinishReason, RequestOutput, TokenLogprob
+from tests.fake_nats import RecordingNats
 
 REPLY = "client.inbox.r1"
 
@@ -24,35 +25,22 @@ class FakeTokenizer:
         return "".join(f"<{t}>" for t in token_ids)
 
 
-class FakeNats:
+class FakeNats(RecordingNats):
     """Records publishes; while `gate` is clear, a publish to a client's reply subject waits for it
     (a writer that is busy writing)."""
 
     def __init__(self) -> None:
-        self.published: list[tuple[str, bytes]] = []
+        super().__init__()
         self.gate = asyncio.Event()
         self.gate.set()
-        self.is_closed = False
-
-    def new_inbox(self) -> str:
-        return "_INBOX.fake"
-
-    async def subscribe(self, subject: str, queue: str = "", cb=None) -> None:
-        return None
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
         if subject == REPLY:
             await self.gate.wait()
-        self.published.append((subject, payload))
-
-    async def flush(self, timeout: float = 0) -> None:
-        return None
+        await super().publish(subject, payload, reply, headers)
 
     def events(self) -> list[dict]:
-        return [json.loads(data) for subject, data in self.published if subject == REPLY]
-
-    def on(self, subject: str) -> list[bytes]:
-        return [data for s, data in self.published if s == subject]
+        return [json.loads(data) for data in self.on(REPLY)]
 
 
 async def started(body: dict | None = None) -> tuple[TokenizerService, FakeNats]:
