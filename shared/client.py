@@ -43,11 +43,12 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
     "replays", "resends" and "retries"."""
     stats = stats if stats is not None else {}
     request_id = body["id"]
+    deadline = time.monotonic() + timeout_s
+    await _until_connected(nc, deadline, request_id)
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     events: list[dict] = []
     tokens: list[int] = []
-    deadline = time.monotonic() + timeout_s
     heard, refused_since, reconnects = time.monotonic(), None, nc.stats["reconnects"]
     taken_at = heard
 
@@ -85,7 +86,7 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
                 if nc.stats["reconnects"] != reconnects and nc.is_connected:
                     reconnects = nc.stats["reconnects"]
                     await replay_or_resend()
-                elif time.monotonic() - heard >= SILENCE_S:
+                elif time.monotonic() - heard >= SILENCE_S and nc.is_connected:
                     heard = time.monotonic()
                     await replay_or_resend()
                 continue
@@ -118,13 +119,27 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
         await sub.unsubscribe()
 
 
+async def _until_connected(nc: Client, deadline: float, request_id: str) -> None:
+    """Subscribe only on a live connection. nats.py queues a SUB made while it reconnects and sends it once
+    back, but drops an UNSUB made meanwhile: a subscription made and ended inside one outage stays on the
+    server for good (seen in the soak test: a jobs connection kept an inbox of a replay asked mid-restart)."""
+    while not nc.is_connected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{request_id}: NATS did not reconnect in time")
+        await asyncio.sleep(0.05)
+
+
 class NoAnswer(Exception):
     """Nobody answered in time, or NATS said no one subscribes ("no responders")."""
 
 
 async def ask(nc: Client, subject: str, data: bytes, timeout_s: float) -> Msg:
     """One request/reply on a reply subject of its own. Not nats.py's `request`: that creates a wildcard
-    response subscription at its first use and keeps it for good (a service's subscriptions would grow)."""
+    response subscription at its first use and keeps it for good (a service's subscriptions would grow).
+    While the connection is down there is no one to ask, and a subscription made then could outlive it
+    (`_until_connected`)."""
+    if not nc.is_connected:
+        raise NoAnswer(f"no answer on {subject}: not connected")
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, max_msgs=1)
     try:

@@ -73,6 +73,12 @@ class Broker:
     def connections(self) -> int:
         return httpx.get(self.monitor("connz"), timeout=5).json()["num_connections"]
 
+    def subscribed(self) -> list[str]:
+        """Each connection's subscriptions as 'client name: subject', sorted (to tell which one leaked)."""
+        body = httpx.get(self.monitor("connz?subs=1&limit=4096"), timeout=5).json()
+        return sorted(f"{c.get('name', '')}: {subject}" for c in body.get("connections") or []
+                      for subject in c.get("subscriptions_list") or [])
+
     def stop(self) -> None:
         terminate(self.process)
 

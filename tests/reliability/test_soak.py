@@ -104,7 +104,11 @@ async def job_producer(url: str, until: float, prefix: str) -> list[str]:
 
 def baseline(stack, session: Session) -> dict[str, int]:
     return {"rss_kib": session.rss_kib(), "fds": session.open_fds(), "subscriptions": stack.broker.subscriptions(),
-            "connections": stack.broker.connections()}
+            "connections": stack.broker.connections(), "subscribed": stack.broker.subscribed()}
+
+
+def figures(taken: dict) -> dict[str, int]:
+    return {k: v for k, v in taken.items() if k != "subscribed"}
 
 
 def settle(stack, session: Session, before: dict[str, int], timeout_s: float) -> dict[str, int]:
@@ -182,7 +186,7 @@ def test_soak_with_a_worker_kill_a_master_kill_and_a_broker_restart(stack):
     print(f"soak {SOAK_S:.0f} s: sent {ledger.sent}, completed {ledger.completed}, errored {ledger.errored}, "
           f"lost {ledger.lost}, refused at the door {ledger.refusals}; problems {ledger.problems}; jobs {len(job_ids)}, results {len(results)}, "
           f"stored {stored_after - stored_before}; faults at {faults}; recovery {recovery}; "
-          f"KV idle after {idle_s:.1f} s; before {before}; after {after}")
+          f"KV idle after {idle_s:.1f} s; before {figures(before)}; after {figures(after)}")
     assert ledger.sent == ledger.completed + ledger.errored + ledger.lost
     assert ledger.lost == 0, f"requests never ended: {ledger.problems}\n" + "".join(stack.serve.log[-80:])
     assert ledger.errored == 0, f"requests errored: {ledger.problems}"
@@ -190,7 +194,11 @@ def test_soak_with_a_worker_kill_a_master_kill_and_a_broker_restart(stack):
     assert sorted(results) == sorted(job_ids), "a job was lost"
     assert all(r["finish_reason"] == "length" for r in results.values()), results
     assert stored_after - stored_before == len(job_ids), "a job's result was stored twice"
-    assert after["subscriptions"] == before["subscriptions"], (before, after)
+    gained = sorted(set(after["subscribed"]) - set(before["subscribed"]))
+    lost = sorted(set(before["subscribed"]) - set(after["subscribed"]))
+    assert after["subscriptions"] == before["subscriptions"], (
+        f"subscriptions gained {gained}, lost {lost}; jobs before "
+        f"{[x for x in before['subscribed'] if x.startswith('orca-jobs')]}")
     assert after["connections"] == before["connections"], (before, after)
     # A killed worker is a new process, which loads torch and the model again: some slack, not a leak's.
     assert after["fds"] <= before["fds"] + 32, (before, after)
