@@ -5,6 +5,11 @@ load through the real scheduler with a cost model). Flags follow `vllm bench ser
 own max batch size, `NAME:N` (the paper's `orca(max_bs)` and FasterTransformer's `ft(max_bs, mbs)`
 curves: `--policy orca static:1 static:8`); otherwise `--max-num-seqs` applies.
 
+The in-process engine and a `--launch`ed server take every engine flag of `orca serve` (generated
+from shared/config.py by shared/flags.py) but `--scheduler`, which `--policy` replaces, and the
+engine's `--seed` (here `--seed` seeds the workload). `orca simulate` takes the scheduler and
+cache flags, so the simulated scheduler is configured as the engine's is.
+
 `add_bench_parsers(subparsers)` registers both on the `orca` command; `python -m bench.cli`
 runs them alone.
 """
@@ -13,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import datetime
 import json
 import math
@@ -29,11 +33,17 @@ from bench.loadgen import RunResult, drive_stepped, drive_streaming
 from bench.report import (Capacity, capacity_at, capacity_ratio, format_report, orca_counterpart, parse_goodput,
                           summarize)
 from shared.api import GenerateRequest
+from shared.config import EngineConfig, engine_fields
+from shared.flags import add_engine_args, engine_config_from_args, section_from_args
 
 TRANSPORTS = ("http", "nats", "inprocess")
 PAPER_TARGET_MS = 190.0
 """The Orca paper's latency level for its GPT-3 175B comparison (36.9x)."""
 AUTO_TARGET_FACTOR = 3.0
+BENCH_ENGINE_FIELDS = [f.name for f in engine_fields() if f.name not in ("policy", "seed")]
+"""`orca bench`'s engine flags: all but --scheduler (--policy) and the engine's --seed (--seed seeds the workload)."""
+SIM_ENGINE_FIELDS = [f.name for f in engine_fields() if f.section in ("scheduler", "cache") and f.name != "policy"]
+"""`orca simulate`'s: the scheduler's (but --scheduler) and the KV cache's."""
 
 
 # ---- arguments ----------------------------------------------------------------------------
@@ -75,16 +85,6 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def add_engine_args(p: argparse.ArgumentParser, kv_default: int | None) -> None:
-    g = p.add_argument_group("engine (in process, launched, or simulated)")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    g.add_argument("--kv-cache-tokens", type=int, default=kv_default,
-                   help="KV capacity in token slots"
-                   + (" (default: what the cost model says fits)" if kv_default is None else ""))
-    g.add_argument("--block-size", type=int, default=16, help="KV slots per block (1 = Orca's exact slots)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one iteration")
-
-
 def add_bench_parsers(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="load-test orca serve (HTTP or NATS) or the engine in process",
                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,18 +92,16 @@ def add_bench_parsers(subparsers) -> None:
                        help="http (default): OpenAI /v1/completions; nats: orca.v1.generate; inprocess: LLMEngine")
     bench.add_argument("--base-url", default="http://127.0.0.1:8000", help="HTTP gateway URL")
     bench.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    bench.add_argument("--model", default=None,
-                       help="inprocess/--launch: checkpoint directory (default: the demo model); http: served name")
     bench.add_argument("--api-key", default=None, help="bearer token for the HTTP gateway")
     bench.add_argument("--launch", action="store_true",
                        help="start `orca serve --scheduler POLICY` for each --policy on free ports, then stop it")
-    bench.add_argument("--dtype", default="auto")
-    bench.add_argument("--device", default="cpu")
     bench.add_argument("--threads", type=int, default=None,
                        help="torch threads of the in-process engine (or --worker-threads of a launched serve)")
     bench.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     add_workload_args(bench)
-    add_engine_args(bench, kv_default=65536)
+    add_engine_args(bench, BENCH_ENGINE_FIELDS, defaults={"model": None}, title="engine (in process or launched)",
+                    helps={"model": "inprocess/--launch: checkpoint directory (default: the demo model); "
+                                    "http: served name"})
     bench.set_defaults(func=cmd_bench)
 
     sim = subparsers.add_parser("simulate", help="replay a workload through the real scheduler with a cost model",
@@ -116,9 +114,10 @@ def add_bench_parsers(subparsers) -> None:
     sim.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (GPT-3 model; default 8)")
     sim.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (GPT-3 model; default 2)")
     sim.add_argument("--max-model-len", type=int, default=None, help="context length (default: the cost model's)")
-    sim.add_argument("--enable-chunked-prefill", action="store_true")
     add_workload_args(sim)
-    add_engine_args(sim, kv_default=None)
+    add_engine_args(sim, SIM_ENGINE_FIELDS, defaults={"kv_cache_tokens": None}, title="engine (simulated)",
+                    helps={"kv_cache_tokens": "KV cache capacity in token slots (default: what the cost model "
+                                              "says fits)"})
     sim.set_defaults(func=cmd_simulate)
 
 
@@ -198,9 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         elif args.launch:
             from bench.targets import launch_serve
 
-            name, max_num_seqs = parse_policy(policy, args.max_num_seqs)
-            options = dataclasses.replace(engine_options(args), max_num_seqs=max_num_seqs)
-            with launch_serve(name, options) as (http_url, nats_url):
+            with launch_serve(engine_config(args, policy), args.threads) as (http_url, nats_url):
                 args.base_url, args.nats_url = http_url, nats_url
                 runs += asyncio.run(bench_streaming(args, transport, policy, requests, rates, goodput))
         else:
@@ -208,12 +205,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return finish(args, runs, "orca bench")
 
 
-def engine_options(args: argparse.Namespace):
-    from bench.targets import EngineOptions
+def engine_config(args: argparse.Namespace, policy: str) -> EngineConfig:
+    """The engine of one --policy item: the engine flags, the item's policy and max batch size, and
+    --model or the demo model `orca serve` uses."""
+    from bench.targets import resolved_model
 
-    return EngineOptions(model=args.model, max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-                         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                         dtype=args.dtype, device=args.device, threads=args.threads)
+    name, max_num_seqs = parse_policy(policy, args.max_num_seqs)
+    return engine_config_from_args(args, BENCH_ENGINE_FIELDS, model=resolved_model(args.model), policy=name,
+                                   max_num_seqs=max_num_seqs)
 
 
 def bench_inprocess(args, policy, requests, rates, goodput) -> list[dict]:
@@ -224,11 +223,10 @@ def bench_inprocess(args, policy, requests, rates, goodput) -> list[dict]:
         import torch
 
         torch.set_num_threads(args.threads)
-    name, max_num_seqs = parse_policy(policy, args.max_num_seqs)
-    options = dataclasses.replace(engine_options(args), max_num_seqs=max_num_seqs)
+    config = engine_config(args, policy)
     runs = []
     for rate in rates:
-        target = make_inprocess_target(options, name)
+        target = make_inprocess_target(config)
         target.warm_up()
         arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
         result = drive_stepped(target, tagged(requests), arrivals, max_concurrency=args.max_concurrency,
@@ -262,9 +260,11 @@ async def bench_streaming(args, transport, policy, requests, rates, goodput) -> 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from bench.cost_models import make_cost_model
-    from bench.simulator import SimConfig, simulate
+    from bench.simulator import simulate
 
     cost_model = make_cost_model(args.cost_model, tp=args.tp, pp=args.pp)
+    kv_cache_tokens = args.kv_cache_tokens or cost_model.default_kv_cache_tokens  # None: what fits beside the weights
+    cache = section_from_args("cache", args, kv_cache_tokens=kv_cache_tokens)
     if args.trace:
         requests, trace_arrivals = load_trace(args.trace, vocab_size=args.vocab_size, seed=args.seed)
         rates = [None]
@@ -273,14 +273,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     goodput, runs = parse_goodput(args.goodput), []
     specs = {spec: parse_policy(spec, args.max_num_seqs) for spec in args.policy}
     for policy, (name, max_num_seqs) in specs.items():
-        config = SimConfig(policy=name, max_num_seqs=max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-                           block_size=args.block_size, max_model_len=args.max_model_len,
-                           max_num_batched_tokens=args.max_num_batched_tokens,
-                           enable_chunked_prefill=args.enable_chunked_prefill)
+        scheduler = section_from_args("scheduler", args, policy=name, max_num_seqs=max_num_seqs)
         for rate in rates:
             arrivals = trace_arrivals or arrival_times(len(requests), rate, args.burstiness, args.seed)
-            result = simulate(requests, arrivals, config, cost_model, max_concurrency=args.max_concurrency,
-                              progress=not args.disable_tqdm, desc=f"simulating {policy} @ {_rate_text(rate)} req/s")
+            result = simulate(requests, arrivals, scheduler, cost_model, cache=cache, max_model_len=args.max_model_len,
+                              max_concurrency=args.max_concurrency, progress=not args.disable_tqdm,
+                              desc=f"simulating {policy} @ {_rate_text(rate)} req/s")
             runs.append(run_record(policy, rate, args, result, goodput, {"cost_model": args.cost_model}))
     return finish(args, runs, "orca simulate")
 

@@ -12,7 +12,6 @@ unseeded random source, so a seed fixes the result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 from bench.cost_models import IterationShape, iteration_shapes
@@ -37,32 +36,17 @@ class CostModel(Protocol):
     def iteration_time(self, shapes: list[IterationShape], pipelined: bool = True) -> float: ...
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    policy: str = "orca"
-    max_num_seqs: int = 128
-    kv_cache_tokens: int | None = None
-    """None: the cost model's default (what fits next to the weights)."""
-    block_size: int = 16
-    max_model_len: int | None = None
-    """None: the cost model's."""
-    max_num_batched_tokens: int | None = None
-    """None: max(max_model_len, 8192), as the engine."""
-    enable_chunked_prefill: bool = False
-
-
 class SimulatedEngine:
-    """A stepped target (`bench.loadgen.SteppedTarget`) on a simulated clock."""
+    """A stepped target (`bench.loadgen.SteppedTarget`) on a simulated clock, with the engine's own
+    scheduler and KV cache configs; None takes the cost model's: its KV capacity (what fits next to
+    the weights, in blocks of the default size) and its context length."""
 
-    def __init__(self, config: SimConfig, cost_model: CostModel) -> None:
+    def __init__(self, scheduler: SchedulerConfig, cost_model: CostModel, cache: CacheConfig | None = None,
+                 max_model_len: int | None = None) -> None:
         self.cost_model = cost_model
-        self.max_model_len = config.max_model_len or cost_model.max_model_len
-        kv_tokens = config.kv_cache_tokens or cost_model.default_kv_cache_tokens
-        self.scheduler = Scheduler.from_config(
-            SchedulerConfig(policy=config.policy, max_num_seqs=config.max_num_seqs,
-                            max_num_batched_tokens=config.max_num_batched_tokens,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
-            CacheConfig(kv_cache_tokens=kv_tokens, block_size=config.block_size), self.max_model_len)
+        self.max_model_len = max_model_len or cost_model.max_model_len
+        cache = cache or CacheConfig(kv_cache_tokens=cost_model.default_kv_cache_tokens)
+        self.scheduler = Scheduler.from_config(scheduler, cache, self.max_model_len)
         self.now = 0.0
         self.iterations = 0
         self.busy_s = 0.0
@@ -111,10 +95,12 @@ class SimulatedEngine:
         self.now = max(self.now, t)
 
 
-def simulate(requests: list[GenerateRequest], arrivals: list[float], config: SimConfig, cost_model: CostModel, *,
+def simulate(requests: list[GenerateRequest], arrivals: list[float], scheduler: SchedulerConfig,
+             cost_model: CostModel, *, cache: CacheConfig | None = None, max_model_len: int | None = None,
              max_concurrency: int | None = None, progress: bool = False, desc: str = "") -> RunResult:
-    """Replay the workload; returns the same records `orca bench` measures, on simulated time."""
-    engine = SimulatedEngine(config, cost_model)
+    """Replay the workload; returns the same records `orca bench` measures, on simulated time.
+    `cache` and `max_model_len`: None takes the cost model's (see SimulatedEngine)."""
+    engine = SimulatedEngine(scheduler, cost_model, cache, max_model_len)
     result = drive_stepped(engine, requests, arrivals, max_concurrency=max_concurrency, clock=engine.clock,
                            sleep_until=engine.sleep_until, desc=desc, progress=progress)
     assert engine.scheduler.kv_cache.num_used_blocks == 0, "KV blocks still held after every request ended"

@@ -5,8 +5,9 @@
 - `HttpTarget`: POSTs OpenAI streaming completions (`/v1/completions`, `stream: true`) and
   reads the server-sent events.
 - `InProcessTarget`: an `engine.llm_engine.LLMEngine`, stepped by the load generator.
-- `launch_serve`: starts `orca serve --scheduler POLICY` on free ports and stops it afterwards,
-  so one `orca bench` invocation can measure several policies of a real server.
+- `launch_serve`: starts `orca serve` with an engine config's flags (`shared.flags.engine_argv`) on
+  free ports and stops it afterwards, so one `orca bench` invocation can measure several policies
+  of a real server.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import msgspec
 
@@ -31,6 +31,8 @@ from bench.loadgen import StepEvent
 from bench.report import RequestRecord
 from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest, encode_json
+from shared.config import EngineConfig
+from shared.flags import engine_argv
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 
@@ -189,54 +191,19 @@ class InProcessTarget:
             self.engine.step()
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """The engine flags `orca bench` passes to the in-process engine or to a launched `orca serve`."""
+def resolved_model(model: str | None) -> str:
+    """--model, or the demo model `orca serve` uses (made on first use)."""
+    if model:
+        return os.path.expanduser(model)
+    from services.serve import ensure_demo_model
 
-    model: str | None = None
-    max_num_seqs: int = 128
-    kv_cache_tokens: int = 65536
-    block_size: int = 16
-    max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    threads: int | None = None
-    """Torch threads per worker of a launched server (the in-process engine sets its own)."""
-
-    def engine_config(self, policy: str):
-        from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-
-        return EngineConfig(
-            model=ModelConfig(model=self.resolved_model(), dtype=self.dtype, device=self.device),
-            scheduler=SchedulerConfig(policy=policy, max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens),
-            cache=CacheConfig(kv_cache_tokens=self.kv_cache_tokens, block_size=self.block_size),
-        )
-
-    def resolved_model(self) -> str:
-        """--model, or the demo model `orca serve` uses (made on first use)."""
-        if self.model:
-            return os.path.expanduser(self.model)
-        from services.serve import ensure_demo_model
-
-        return ensure_demo_model()
-
-    def serve_flags(self) -> list[str]:
-        flags = ["--max-num-seqs", str(self.max_num_seqs), "--kv-cache-tokens", str(self.kv_cache_tokens),
-                 "--block-size", str(self.block_size), "--dtype", self.dtype, "--device", self.device]
-        if self.model:
-            flags += ["--model", self.model]
-        if self.max_num_batched_tokens:
-            flags += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        if self.threads:
-            flags += ["--worker-threads", str(self.threads)]
-        return flags
+    return ensure_demo_model()
 
 
-def make_inprocess_target(options: EngineOptions, policy: str) -> InProcessTarget:
+def make_inprocess_target(config: EngineConfig) -> InProcessTarget:
     from engine.llm_engine import LLMEngine
 
-    return InProcessTarget(LLMEngine(options.engine_config(policy)))
+    return InProcessTarget(LLMEngine(config))
 
 
 def _free_port() -> int:
@@ -246,10 +213,13 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def launch_serve(policy: str, options: EngineOptions, timeout_s: float = 600.0) -> Iterator[tuple[str, str]]:
-    """Run `orca serve --scheduler POLICY` (its own NATS and Ray); yield (http_url, nats_url)."""
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--scheduler", policy, "--port", str(_free_port()),
-           *options.serve_flags()]
+def launch_serve(config: EngineConfig, threads: int | None = None,
+                 timeout_s: float = 600.0) -> Iterator[tuple[str, str]]:
+    """Run `orca serve` with the flags of `config` (its own NATS and Ray) and `threads` torch threads
+    per worker (default: serve's); yield (http_url, nats_url)."""
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(_free_port()), *engine_argv(config)]
+    if threads:
+        cmd += ["--worker-threads", str(threads)]
     print(f"launching: {' '.join(cmd[1:])}", file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

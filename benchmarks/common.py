@@ -1,6 +1,6 @@
 """What the in-process benchmark scripts share: the engine flags, the engine built from them, the summary.
 
-The engine flags are `orca generate`'s own (`services.cli.add_engine_args`, vLLM's names), so a
+The engine flags are `orca generate`'s own (`shared.flags.add_engine_args`, vLLM's names), so a
 benchmark and the command it measures take the same flags with the same meaning; each script
 only sets its own defaults. ORCA_<FIELD> variables still win over those defaults, and a flag over
 both, as for `orca generate`. Import this after `shared.env.prefer_passive_openmp()` where a
@@ -16,18 +16,16 @@ from typing import Any
 import msgspec
 
 from engine.llm_engine import LLMEngine
-from services.cli import add_engine_args, engine_config_from_args
-from shared import env
+from services.cli import engine_config_from_args
+from shared.flags import add_engine_args
 
 
 def engine_parser(description: str | None, num_requests: int, **defaults: Any) -> argparse.ArgumentParser:
     """A parser with the engine flags and --num-requests; `defaults`: this script's defaults of engine
-    flags, by argparse dest (kv_cache_tokens=131072); --dtype defaults to float32 unless given here."""
+    flags, by config field (kv_cache_tokens=131072); --dtype defaults to float32 unless given here."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
+    add_engine_args(parser, defaults={"dtype": "float32", **defaults})  # the ORCA_ variables override these
     parser.add_argument("--num-requests", type=int, default=num_requests)
-    parser.set_defaults(**{"dtype": "float32", **defaults})
-    env.apply_engine_env(parser)  # again: the variables override the script's defaults too
     return parser
 
 

@@ -36,11 +36,14 @@ import numpy as np  # noqa: E402
 
 from bench.cost_models import iteration_shapes, total  # noqa: E402
 from bench.datasets import orca_paper_requests  # noqa: E402
-from bench.targets import EngineOptions  # noqa: E402
+from bench.targets import resolved_model  # noqa: E402
+from shared.flags import add_engine_args, engine_config_from_args  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 FEATURES = ("a", "b", "c", "d")
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
+ENGINE_FIELDS = ("model", "kv_cache_tokens")
+"""The engine flags this script takes (the rest: the engine's defaults, the orca policy)."""
 OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "fitted.py")
 
 
@@ -93,7 +96,7 @@ def errors(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, int]:
     from engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineOptions(model=args.model, kv_cache_tokens=args.kv_cache_tokens).engine_config("orca"))
+    engine = LLMEngine(engine_config_from_args(args, ENGINE_FIELDS, model=resolved_model(args.model)))
     collect(engine, 4, seed=args.seed + 1)  # warm-up, not fitted
     x, y = collect(engine, args.num_requests, args.seed)
     return x, y, engine.max_model_len
@@ -119,11 +122,11 @@ def write_fitted(path: str, coef: np.ndarray, max_model_len: int, kv_cache_token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    add_engine_args(parser, ENGINE_FIELDS, defaults={"model": None},
+                    helps={"model": "checkpoint directory (default: the demo model)"})
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=65536)
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--samples", help="also save the timed iterations (JSON) here")
     parser.add_argument("--from-samples", help="fit saved iterations instead of measuring")

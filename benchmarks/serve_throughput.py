@@ -28,30 +28,15 @@ import nats  # noqa: E402
 from benchmarks.common import engine_parser, make_engine, write_summary  # noqa: E402
 from benchmarks.engine_throughput import run_engine, warm_up  # noqa: E402
 from benchmarks.workload import orca_paper_workload  # noqa: E402
-from services.cli import add_engine_args  # noqa: E402
-from shared import subjects  # noqa: E402
+from services.cli import engine_config_from_args  # noqa: E402
+from shared import flags, subjects  # noqa: E402
 from shared.codec import Codec  # noqa: E402
 from shared.messages import EngineStatus  # noqa: E402
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """This run's engine flags as `orca serve` takes them, so it serves the engine measured in process."""
-    probe = argparse.ArgumentParser()
-    add_engine_args(probe, model_required=False)
-    argv = []
-    for action in probe._actions:  # argparse lists a parser's flags only privately
-        value = getattr(args, action.dest, None)
-        flag = action.option_strings[-1]  # the long name: --tensor-parallel-size, not -tp
-        if action.dest == "help" or value is None:
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(action.option_strings[0] if value else action.option_strings[1])  # --x / --no-x
-        elif action.nargs == 0:  # store_true
-            if value:
-                argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
+    return flags.engine_argv(engine_config_from_args(args))
 
 
 def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -6,63 +6,29 @@ import argparse
 import sys
 from pathlib import Path
 
-from shared import env
-from shared.config import (DTYPES, KERNEL_BACKENDS, SCHEDULER_POLICIES, CacheConfig, EngineConfig, ModelConfig,
-                           ParallelConfig, SchedulerConfig)
+from shared import env, flags
+from shared.config import EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=model_required,
-                   help="Hugging Face checkpoint directory" + ("" if model_required else " (default: the demo model)"))
-    g.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--scheduler", default="orca", choices=SCHEDULER_POLICIES, help="iteration scheduling policy")
-    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one iteration")
-    g.add_argument("--enable-chunked-prefill", action="store_true", help="split long prompts across iterations")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule the next iteration while the worker runs this one (one worker; default on)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--kv-cache-tokens", type=int, default=65536, help="KV cache capacity in token slots")
-    g.add_argument("--block-size", type=int, default=16, help="KV slots per block (1 = Orca's per-slot accounting)")
-    g.add_argument("--enable-prefix-caching", action="store_true", help="share KV of identical prompt prefixes")
-    g.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
-    g.add_argument("--kernel-backend", default="auto", choices=KERNEL_BACKENDS,
-                   help="auto: Triton kernels on CUDA, the compiled C attention on CPU (torch without a C compiler)")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="--enforce-eager: the plain torch step; --no-enforce-eager: compile it (torch.compile) "
-                        "on any device; default: compile on CUDA only")
-    add_chat_template_arg(g)
-    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="workers per pipeline stage")
-    g.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
-                   help="pipeline stages (as many batches in flight)")
-    env.apply_engine_env(parser)  # ORCA_<FIELD> variables become these flags' defaults (shared/env.py)
+    """Every engine flag (shared/flags.py builds them from shared/config.py), with the ORCA_<FIELD>
+    variables as their defaults; `model_required=False`: without --model, the demo model."""
+    if model_required:
+        flags.add_engine_args(parser)
+    else:
+        flags.add_engine_args(parser, defaults={"model": None},
+                              helps={"model": "Hugging Face checkpoint directory (default: the demo model)"})
 
 
 def add_chat_template_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """The one flag that the engine, the tokenizer service and the gateway share (each renders chats).
     Its ORCA_CHAT_TEMPLATE variable applies where the parser calls `env.apply_engine_env`."""
-    parser.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template, as a file or the template text, rendered instead of the "
-                             "checkpoint's (vLLM's flag)")
+    flags.add_flags(parser, ["chat_template"])
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    model = str(Path(args.model).expanduser())
-    return EngineConfig(
-        model=ModelConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                          seed=args.seed, kernel_backend=args.kernel_backend,
-                          enforce_eager=args.enforce_eager, chat_template=args.chat_template),
-        scheduler=SchedulerConfig(policy=args.scheduler, max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enable_chunked_prefill=args.enable_chunked_prefill,
-                                  async_scheduling=args.async_scheduling),
-        cache=CacheConfig(kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size,
-                          enable_prefix_caching=args.enable_prefix_caching),
-        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
-                                pipeline_parallel_size=args.pipeline_parallel_size),
-    )
+    """The EngineConfig of `add_engine_args`' flags, with `~` in --model expanded."""
+    return flags.engine_config_from_args(args, model=str(Path(args.model).expanduser()))
 
 
 def cmd_make_demo_model(args: argparse.Namespace) -> int:

@@ -1,11 +1,17 @@
 """One typed, frozen engine configuration, checked once when it is built.
 
-Flag names follow vLLM's where vLLM has the same knob. Values only known at run time
-(the model's context length, EOS id, KV capacity in blocks) are not written back here:
-they travel with the objects that find them.
+Each field declares its command-line flag beside it (`Flag`: help, and the names and choices where
+they are not the field's own): shared/flags.py builds the flags from these declarations, shared/env.py
+the ORCA_<FIELD> variables, so a new field is one line here. Flag names follow vLLM's where vLLM has
+the same knob. Values only known at run time (the model's context length, EOS id, KV capacity in
+blocks) are not written back here: they travel with the objects that find them.
 """
 
 from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
@@ -14,20 +20,33 @@ DTYPES = ("auto", "float32", "float16", "bfloat16", "float64")
 KERNEL_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
+@dataclass(frozen=True)
+class Flag:
+    """A field's command-line flag, declared with the field: `Annotated[int, Flag("...")]`.
+    shared/flags.py builds the argparse flags from it, shared/env.py the ORCA_ variables."""
+
+    help: str
+    names: tuple[str, ...] = ()
+    """Option strings where they are not `--field-name` (vLLM's `--scheduler`, `-tp`); the last is the long one."""
+    choices: tuple[str, ...] | None = None
+
+
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    policy: str = "orca"
+    policy: Annotated[str, Flag("iteration scheduling policy", names=("--scheduler",),
+                                choices=SCHEDULER_POLICIES)] = "orca"
     """`orca`: iteration-level, FCFS, reserves prompt_len + max_tokens slots at admission.
     `request-level`: the paper's baseline; a batch forms only when the engine is idle.
     `paged`: blocks on demand, preemption by recompute when they run out (vLLM).
     `static`: FasterTransformer behind a request-level server (the paper's measured baseline):
     a fixed dense batch, finished requests keep computing until it ends (core.policies.StaticPolicy)."""
-    max_num_seqs: int = 128
+    max_num_seqs: Annotated[int, Flag("most requests running at once")] = 128
     """Most requests running (admitted) at once."""
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: Annotated[int | None, Flag("token budget of one iteration")] = None
     """Token budget of one iteration; None means max(max_model_len, 8192)."""
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: Annotated[bool, Flag("split long prompts across iterations")] = False
     """Split prompts that do not fit the remaining budget into chunks (Sarathi-Serve)."""
-    async_scheduling: bool = True
+    async_scheduling: Annotated[bool, Flag(
+        "schedule the next iteration while the worker runs this one (one worker; default on)")] = True
     """Schedule iteration N+1 while the worker runs N (vLLM V1's async scheduling): the worker feeds
     back the tokens it samples itself, so the engine's control round trip leaves the critical path.
     Applies with one worker and an iteration-level policy; ignored under -tp/-pp and `static`."""
@@ -42,11 +61,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    kv_cache_tokens: int = 65536
+    kv_cache_tokens: Annotated[int, Flag("KV cache capacity in token slots")] = 65536
     """KV capacity in token slots, preallocated once at start-up (rounded down to whole blocks)."""
-    block_size: int = 16
+    block_size: Annotated[int, Flag("KV slots per block (1 = Orca's per-slot accounting)")] = 16
     """Slots per KV block: the unit of accounting. 1 gives Orca's exact per-slot reservation."""
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: Annotated[bool, Flag("share KV of identical prompt prefixes")] = False
     """Share the KV of identical full-block prefixes across requests (refcounted, LRU eviction)."""
 
     def __post_init__(self) -> None:
@@ -63,23 +82,30 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    model: str
+    model: Annotated[str, Flag("Hugging Face checkpoint directory")]
     """A Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer)."""
-    dtype: str = "auto"
+    dtype: Annotated[str, Flag("auto: float32 on CPU, bfloat16 on CUDA", choices=DTYPES)] = "auto"
     """`auto`: float32 on CPU, bfloat16 on CUDA."""
-    device: str = "cpu"
-    max_model_len: int | None = None
+    device: Annotated[str, Flag("cpu or cuda[:N]")] = "cpu"
+    """`cpu`, `cuda` or `cuda:N`."""
+    max_model_len: Annotated[int | None, Flag("context length (default: the model's)")] = None
     """Context length; None means the checkpoint's max_position_embeddings."""
-    seed: int = 0
+    seed: Annotated[int, Flag("seed for requests that give none")] = 0
     """Seed for requests that give none."""
-    kernel_backend: str = "auto"
+    kernel_backend: Annotated[str, Flag(
+        "auto: Triton kernels on CUDA, the compiled C attention on CPU (torch without a C compiler)",
+        choices=KERNEL_BACKENDS)] = "auto"
     """`auto`: Triton kernels on CUDA; on CPU the compiled C attention kernel (torch where no C compiler
     is found); `torch` the plain torch path, the reference."""
-    enforce_eager: bool | None = None
+    enforce_eager: Annotated[bool | None, Flag(
+        "--enforce-eager: the plain torch step; --no-enforce-eager: compile it (torch.compile) on any device; "
+        "default: compile on CUDA only")] = None
     """True: the plain torch step (debugging, float64 exactness). False: the step compiled with
     torch.compile (CUDA graphs for decode on CUDA). None: compiled where it pays, on CUDA; eager on CPU,
     where compiling measured no faster (benchmarks/README.md)."""
-    chat_template: str | None = None
+    chat_template: Annotated[str | None, Flag(
+        "a Jinja chat template, as a file or the template text, rendered instead of the checkpoint's "
+        "(vLLM's flag)")] = None
     """vLLM's --chat-template: a Jinja file, or the template text, rendered for chat messages instead
     of the checkpoint's template (or where it has none). Read where a tokenizer loads
     (engine/tokenizer.py load_chat_template), so a path names a file on that machine."""
@@ -98,9 +124,11 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[int, Flag("workers per pipeline stage",
+                                              names=("-tp", "--tensor-parallel-size"))] = 1
     """Workers per pipeline stage; each holds 1/N of every layer's heads and MLP columns."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: Annotated[int, Flag("pipeline stages (as many batches in flight)",
+                                                names=("-pp", "--pipeline-parallel-size"))] = 1
     """Pipeline stages; each holds a contiguous slice of the layers and their KV cache. The engine
     keeps this many batches in flight, each with different requests (Orca's schedule)."""
 
@@ -119,3 +147,41 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     parallel: ParallelConfig = ParallelConfig()
+
+
+@dataclass(frozen=True)
+class EngineField:
+    """One field of one section of EngineConfig, with its flag: what shared/flags.py and
+    shared/env.py derive the command line and the ORCA_ variables from."""
+
+    section: str
+    """EngineConfig's attribute holding the field: model, scheduler, cache or parallel."""
+    name: str
+    type: Any
+    """The annotation without its Flag: int, str, `int | None`, ..."""
+    default: Any
+    """msgspec.NODEFAULT where the field has none (ModelConfig.model)."""
+    flag: Flag
+
+    @property
+    def option_strings(self) -> tuple[str, ...]:
+        return self.flag.names or ("--" + self.name.replace("_", "-"),)
+
+    @property
+    def dest(self) -> str:
+        """The argparse dest, from the long option: `scheduler` for policy."""
+        return self.option_strings[-1].removeprefix("--").replace("-", "_")
+
+
+def engine_fields() -> list[EngineField]:
+    """Every field of every section of EngineConfig, in declaration order (field names are unique
+    across sections, so one flag and one variable each). A field without a Flag is a TypeError."""
+    out = []
+    for section in msgspec.structs.fields(EngineConfig):
+        for f in msgspec.structs.fields(section.type):
+            base, *meta = typing.get_args(f.type) if typing.get_origin(f.type) is Annotated else (f.type,)
+            flags = [m for m in meta if isinstance(m, Flag)]
+            if len(flags) != 1:
+                raise TypeError(f"{section.type.__name__}.{f.name} must be annotated with one Flag")
+            out.append(EngineField(section.name, f.name, base, f.default, flags[0]))
+    return out

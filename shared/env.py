@@ -5,8 +5,9 @@ Engine settings: every field of the engine config's sections (`shared/config.py`
 from the structs' fields, so a new field gets its variable without an edit here. The variables
 become the defaults of the matching command-line flags (`apply_engine_env`), so an explicit flag
 still wins, and `orca serve`, `python -m services.<name>`, compose and Kubernetes all read the same
-names the same way. The one field whose flag has another name is `SchedulerConfig.policy`: the flag
-is vLLM's `--scheduler`, and so the variable is `ORCA_SCHEDULER`.
+names the same way. A variable is named after its flag: the one field whose flag has another name
+is `SchedulerConfig.policy`, whose flag is vLLM's `--scheduler` (declared with the field), and so
+the variable is `ORCA_SCHEDULER`.
 
 Service settings (NATS address and credentials, API key, ...) are the functions below,
 listed with their meaning in `SERVICE_ENV_VARS`.
@@ -16,21 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from shared.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from shared.config import engine_fields
 
 PREFIX = "ORCA_"
-ENGINE_SECTIONS: dict[str, type[msgspec.Struct]] = {
-    "model": ModelConfig, "scheduler": SchedulerConfig, "cache": CacheConfig, "parallel": ParallelConfig,
-}
-FLAG_DESTS = {"policy": "scheduler"}
-"""Fields whose command-line flag (argparse dest) is not the field's own name."""
 
 SERVICE_ENV_VARS: dict[str, str] = {
     "ORCA_NATS_URL": "NATS server URL, or a cluster's URLs comma-separated (`--nats-url` default of `orca serve` and the gateway)",
@@ -52,28 +48,25 @@ class EngineEnvVar:
     """EngineConfig's attribute holding the field: model, scheduler, cache or parallel."""
     field: str
     dest: str
-    """The argparse dest of the flag it defaults (`services/cli.py` add_engine_args)."""
+    """The argparse dest of the flag it defaults (`shared/flags.py` add_engine_args)."""
     type: Any
 
 
 def engine_env_vars() -> list[EngineEnvVar]:
     """ORCA_<FIELD> for every field of every engine config section, in declaration order."""
-    out = []
-    for section, struct in ENGINE_SECTIONS.items():
-        for f in msgspec.structs.fields(struct):
-            dest = FLAG_DESTS.get(f.name, f.name)
-            out.append(EngineEnvVar(PREFIX + dest.upper(), section, f.name, dest, f.type))
-    return out
+    return [EngineEnvVar(PREFIX + f.dest.upper(), f.section, f.name, f.dest, f.type) for f in engine_fields()]
 
 
-def engine_flag_defaults(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """{argparse dest: value} for each engine variable that is set and not empty, converted to
-    the field's type; a value that does not convert is a ValueError naming the variable."""
+def engine_flag_defaults(environ: Mapping[str, str] | None = None,
+                         dests: Collection[str] | None = None) -> dict[str, Any]:
+    """{argparse dest: value} for each engine variable that is set and not empty (of the flags
+    `dests` only, if given), converted to the field's type; a value that does not convert is a
+    ValueError naming the variable."""
     environ = os.environ if environ is None else environ
     defaults = {}
     for var in engine_env_vars():
         raw = environ.get(var.name, "")
-        if raw == "":
+        if raw == "" or (dests is not None and var.dest not in dests):
             continue
         try:
             defaults[var.dest] = msgspec.convert(raw, var.type, strict=False)
@@ -82,12 +75,14 @@ def engine_flag_defaults(environ: Mapping[str, str] | None = None) -> dict[str, 
     return defaults
 
 
-def apply_engine_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+def apply_engine_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None,
+                     dests: Collection[str] | None = None) -> None:
     """Make the engine variables the defaults of `parser`'s flags; a required flag whose variable
     is set (ORCA_MODEL) is no longer required. Call after the flags are added. A bad value
-    exits as a usage error does, naming the variable."""
+    exits as a usage error does, naming the variable. `dests`: only these flags' variables (a
+    parser whose own --seed means something else, as `orca bench`'s, takes no ORCA_SEED)."""
     try:
-        defaults = engine_flag_defaults(environ)
+        defaults = engine_flag_defaults(environ, dests)
     except ValueError as exc:
         parser.error(str(exc))
     parser.set_defaults(**defaults)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from bench.cli import add_bench_parsers, main
+import pytest
+
+from bench import targets
+from bench.cli import add_bench_parsers, engine_config, main
+from bench.cost_models import make_cost_model
+from shared import env
+from shared.config import CacheConfig, SchedulerConfig
 
 
 def test_simulate_sweep_saves_capacities_and_plots(tmp_path, capsys):
@@ -39,3 +45,52 @@ def test_parsers_register_on_another_command():
     add_bench_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--transport", "inprocess", "--sweep", "1,2"])
     assert args.func.__name__ == "cmd_bench" and args.sweep == "1,2"
+
+
+@pytest.fixture
+def no_engine_variables(monkeypatch):
+    for var in env.engine_env_vars():
+        monkeypatch.delenv(var.name, raising=False)
+
+
+def test_bench_engine_flags_reach_the_engine_and_a_launched_server(tmp_path, monkeypatch, no_engine_variables):
+    parser = argparse.ArgumentParser(prog="orca")
+    add_bench_parsers(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--launch", "--model", str(tmp_path), "--seed", "3", "--max-num-seqs", "32",
+                              "--block-size", "1", "--enable-prefix-caching", "--no-async-scheduling", "-tp", "2"])
+    config = engine_config(args, "paged:8")
+    assert config.scheduler == SchedulerConfig(policy="paged", max_num_seqs=8, async_scheduling=False)
+    assert config.cache == CacheConfig(block_size=1, enable_prefix_caching=True)
+    assert config.model.seed == 0 and config.parallel.tensor_parallel_size == 2  # --seed seeds the workload
+
+    launched = []
+
+    def no_popen(cmd, **kwargs):
+        launched.append(cmd)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(targets.subprocess, "Popen", no_popen)
+    with pytest.raises(RuntimeError, match="not started"), targets.launch_serve(config, threads=2):
+        pass
+    [cmd] = launched
+    assert cmd[cmd.index("serve") + 3:] == ["--model", str(tmp_path), "--scheduler", "paged", "--max-num-seqs", "8",
+                                            "--no-async-scheduling", "--block-size", "1", "--enable-prefix-caching",
+                                            "--tensor-parallel-size", "2", "--worker-threads", "2"]
+
+
+def test_simulate_takes_the_scheduler_and_cache_flags(monkeypatch, no_engine_variables):
+    import bench.simulator
+
+    seen, real = [], bench.simulator.simulate
+
+    def spy(requests, arrivals, scheduler, cost_model, **kwargs):
+        seen.append((scheduler, kwargs["cache"]))
+        return real(requests, arrivals, scheduler, cost_model, **kwargs)
+
+    monkeypatch.setattr(bench.simulator, "simulate", spy)
+    assert main(["simulate", "--num-prompts", "4", "--policy", "orca:4", "--block-size", "1",
+                 "--enable-chunked-prefill", "--no-async-scheduling", "--disable-tqdm"]) == 0
+    [(scheduler, cache)] = seen
+    assert scheduler == SchedulerConfig(max_num_seqs=4, enable_chunked_prefill=True, async_scheduling=False)
+    kv_fits = make_cost_model("gpt3-175b-a100-tp8pp2").default_kv_cache_tokens
+    assert cache == CacheConfig(kv_cache_tokens=kv_fits, block_size=1)

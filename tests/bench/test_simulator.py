@@ -8,14 +8,15 @@ from bench.arrivals import arrival_times
 from bench.cost_models import (ClusterCostModel, IterationShape, LinearCostModel, make_cost_model, partition)
 from bench.datasets import orca_paper_requests, random_requests
 from bench.report import summarize
-from bench.simulator import SimConfig, simulate
+from bench.simulator import simulate
+from shared.config import SchedulerConfig
 
 ONE_SECOND = LinearCostModel("unit", a=1.0, b=0.0, c=0.0, d=0.0, max_model_len=1024)
 
 
 def test_one_request_takes_one_prefill_then_one_iteration_per_token():
     [request] = random_requests(1, (10, 10), (5, 5))
-    [record] = simulate([request], [0.0], SimConfig(), ONE_SECOND).records
+    [record] = simulate([request], [0.0], SchedulerConfig(), ONE_SECOND).records
     assert record.chunk_times == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert (record.ttft_s, record.e2e_s, record.output_tokens) == (1.0, 5.0, 5)
 
@@ -24,8 +25,8 @@ def test_orca_lets_a_late_request_join_while_request_level_makes_it_wait():
     first, late = random_requests(2, (8, 8), (3, 3))
     late = late.__class__(**{**{f: getattr(late, f) for f in late.__struct_fields__}, "max_tokens": 1})
     arrivals = [0.0, 0.5]
-    orca = simulate([first, late], arrivals, SimConfig(policy="orca"), ONE_SECOND).records
-    baseline = simulate([first, late], arrivals, SimConfig(policy="request-level"), ONE_SECOND).records
+    orca = simulate([first, late], arrivals, SchedulerConfig(policy="orca"), ONE_SECOND).records
+    baseline = simulate([first, late], arrivals, SchedulerConfig(policy="request-level"), ONE_SECOND).records
     assert orca[1].chunk_times == [2.0]  # joins the iteration after its arrival (t=1 -> 2)
     assert baseline[1].chunk_times == [4.0]  # waits for the first request's whole batch (done at t=3)
     assert orca[0].chunk_times == baseline[0].chunk_times == [1.0, 2.0, 3.0]
@@ -33,14 +34,14 @@ def test_orca_lets_a_late_request_join_while_request_level_makes_it_wait():
 
 def test_max_concurrency_holds_requests_back():
     requests = random_requests(3, (4, 4), (2, 2))
-    records = simulate(requests, [0.0, 0.0, 0.0], SimConfig(), ONE_SECOND, max_concurrency=1).records
+    records = simulate(requests, [0.0, 0.0, 0.0], SchedulerConfig(), ONE_SECOND, max_concurrency=1).records
     assert [r.finished_s for r in records] == [2.0, 4.0, 6.0]
     assert [r.start_s for r in records] == [0.0, 2.0, 4.0]  # each starts when a slot frees
 
 
 def run(policy: str, seed: int, rate: float, n: int = 120, cost_model=None):
     requests = orca_paper_requests(n, seed=seed)
-    result = simulate(requests, arrival_times(n, rate, 1.0, seed), SimConfig(policy=policy),
+    result = simulate(requests, arrival_times(n, rate, 1.0, seed), SchedulerConfig(policy=policy),
                       cost_model or ClusterCostModel())
     return result, summarize(result.records, result.duration_s)
 

@@ -7,7 +7,8 @@ from bench.arrivals import arrival_times
 from bench.cost_models import ClusterCostModel, IterationShape, iteration_shapes, make_cost_model
 from bench.datasets import orca_paper_requests, random_requests
 from bench.report import capacity_at, summarize
-from bench.simulator import SimConfig, simulate
+from bench.simulator import simulate
+from shared.config import SchedulerConfig
 from tests.bench.test_simulator import ONE_SECOND
 from tests.core.helpers import fake_step, make_request, make_scheduler
 
@@ -17,7 +18,7 @@ def test_a_static_batch_runs_until_its_longest_lane_ends_and_returns_together():
     short = short.__class__(**{**{f: getattr(short, f) for f in short.__struct_fields__},
                                "prompt_token_ids": short.prompt_token_ids[:4]})
     long_ = long_.__class__(**{**{f: getattr(long_, f) for f in long_.__struct_fields__}, "max_tokens": 3})
-    records = simulate([short, long_, late], [0.0, 0.0, 0.5], SimConfig(policy="static"), ONE_SECOND).records
+    records = simulate([short, long_, late], [0.0, 0.0, 0.5], SchedulerConfig(policy="static"), ONE_SECOND).records
     # lanes of 4 and 8 prompt tokens: 1 iteration of 4 tokens each, then 4 + 3 - 1 one-token iterations
     assert records[0].chunk_times == records[1].chunk_times == [7.0]
     assert (records[0].output_tokens, records[1].output_tokens) == (1, 3)
@@ -50,7 +51,7 @@ def capacity(policy: str, max_num_seqs: int, rates: list[float], n: int = 600) -
     requests = orca_paper_requests(n, seed=0)
     points = []
     for rate in rates:
-        result = simulate(requests, arrival_times(n, rate, 1.0, 0), SimConfig(policy, max_num_seqs=max_num_seqs),
+        result = simulate(requests, arrival_times(n, rate, 1.0, 0), SchedulerConfig(policy, max_num_seqs=max_num_seqs),
                           ClusterCostModel())
         metrics = summarize(result.records, result.duration_s)
         points.append((metrics["request_throughput"], metrics["median_norm_latency_ms"]))
@@ -73,7 +74,7 @@ def test_larger_static_batches_do_not_help_on_this_trace():
     arrivals = arrival_times(300, 0.3, 1.0, 1)
     latency = {}
     for size in (1, 8):
-        result = simulate(requests, arrivals, SimConfig("static", max_num_seqs=size), ClusterCostModel())
+        result = simulate(requests, arrivals, SchedulerConfig("static", max_num_seqs=size), ClusterCostModel())
         latency[size] = summarize(result.records, result.duration_s)["median_norm_latency_ms"]
     assert latency[8] > latency[1]
 

@@ -7,7 +7,6 @@ import asyncio
 import json
 
 import httpx
-import pytest
 
 from bench.datasets import random_requests
 from bench.loadgen import drive_streaming
@@ -56,15 +55,6 @@ def test_http_errors_are_failed_requests():
 
     [record] = asyncio.run(main()).records
     assert not record.success and "429" in record.error
-
-
-@pytest.fixture(scope="module")
-def nats_url():
-    from services.nats_server import LocalNatsServer
-
-    server = LocalNatsServer().start()
-    yield server.url
-    server.stop()
 
 
 def test_nats_target_streams_generate_events(nats_url):
