@@ -25,30 +25,23 @@ class KernelOps:
     apply_rotary: Callable[..., None]  # (query, key, cos, sin, positions), in place
 
 
-TORCH_OPS = KernelOps(
-    write_kv=kv_cache.write_kv_torch,
-    attention=attention.ragged_attention_torch,
-    rms_norm=norms.rms_norm_torch,
-    layer_norm=norms.layer_norm_torch,
-    silu_and_mul=activations.silu_and_mul_torch,
-    gelu_tanh=activations.gelu_tanh_torch,
-    apply_rotary=rotary.apply_rotary_torch,
-)
+# Each op's torch and Triton implementations side by side: one row per KernelOps field.
+_TORCH_AND_TRITON = {
+    "write_kv": (kv_cache.write_kv_torch, kv_cache.write_kv_triton),
+    "attention": (attention.ragged_attention_torch, attention.ragged_attention_triton),
+    "rms_norm": (norms.rms_norm_torch, norms.rms_norm_triton),
+    "layer_norm": (norms.layer_norm_torch, norms.layer_norm_triton),
+    "silu_and_mul": (activations.silu_and_mul_torch, activations.silu_and_mul_triton),
+    "gelu_tanh": (activations.gelu_tanh_torch, activations.gelu_tanh_triton),
+    "apply_rotary": (rotary.apply_rotary_torch, rotary.apply_rotary_triton),
+}
+TORCH_OPS = KernelOps(**{op: torch_op for op, (torch_op, _) in _TORCH_AND_TRITON.items()})
+TRITON_OPS = KernelOps(**{op: triton_op for op, (_, triton_op) in _TORCH_AND_TRITON.items()})
 
 # Token-wise ops stay torch on CPU (they already run at matmul speed there); attention is one C call,
 # and the tanh GELU torch's fused op.
 CPU_OPS = dataclasses.replace(TORCH_OPS, attention=attention_cpu.ragged_attention_cpu,
                               gelu_tanh=activations.gelu_tanh_cpu)
-
-TRITON_OPS = KernelOps(
-    write_kv=kv_cache.write_kv_triton,
-    attention=attention.ragged_attention_triton,
-    rms_norm=norms.rms_norm_triton,
-    layer_norm=norms.layer_norm_triton,
-    silu_and_mul=activations.silu_and_mul_triton,
-    gelu_tanh=activations.gelu_tanh_triton,
-    apply_rotary=rotary.apply_rotary_triton,
-)
 
 
 def _triton_interpreting() -> bool:

@@ -54,18 +54,20 @@ if triton is not None:
         return (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)
 
     @triton.jit
-    def _rms_norm_kernel(
+    def _norm_kernel(
         x_ptr,  # (T, H) input rows
         residual_ptr,  # (T, H) residual rows, read only if HAS_RESIDUAL
         sum_ptr,  # (T, H) output x + residual, written only if HAS_RESIDUAL
         out_ptr,  # (T, H) normalised output
         weight_ptr,  # (H,) scale
+        bias_ptr,  # (H,) shift, read only if LAYER_NORM
         stride_x,  # row stride of x
         stride_r,  # row stride of residual
         stride_s,  # row stride of sum
         stride_o,  # row stride of out
         H,  # row length
-        eps,  # added to the mean square
+        eps,  # added to the mean square (RMSNorm) or the variance (LayerNorm)
+        LAYER_NORM: tl.constexpr,  # LayerNorm (centred, with bias) instead of RMSNorm
         HAS_RESIDUAL: tl.constexpr,  # fuse the residual add
         BLOCK_H: tl.constexpr,  # H rounded up to a power of two
     ):
@@ -77,73 +79,34 @@ if triton is not None:
             s = _add_rounded(s, tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0))
             tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
         h = s.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
-        # Round to s's dtype before the weight multiply, as HF does.
-        y = (h * rstd).to(s.dtype).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _layer_norm_kernel(
-        x_ptr,  # (T, H) input rows
-        residual_ptr,  # (T, H) residual rows, read only if HAS_RESIDUAL
-        sum_ptr,  # (T, H) output x + residual, written only if HAS_RESIDUAL
-        out_ptr,  # (T, H) normalised output
-        weight_ptr,  # (H,) scale
-        bias_ptr,  # (H,) shift
-        stride_x,  # row stride of x
-        stride_r,  # row stride of residual
-        stride_s,  # row stride of sum
-        stride_o,  # row stride of out
-        H,  # row length
-        eps,  # added to the variance
-        HAS_RESIDUAL: tl.constexpr,  # fuse the residual add
-        BLOCK_H: tl.constexpr,  # H rounded up to a power of two
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_H)
-        mask = cols < H
-        s = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            s = _add_rounded(s, tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0))
-            tl.store(sum_ptr + row * stride_s + cols, s, mask=mask)
-        h = s.to(tl.float32)
-        mean = tl.sum(h, axis=0) / H
-        centred = tl.where(mask, h - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / H + eps)
-        w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
-        b = tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
-        out = centred * rstd * w + b
+        if LAYER_NORM:
+            mean = tl.sum(h, axis=0) / H
+            centred = tl.where(mask, h - mean, 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / H + eps)
+            b = tl.load(bias_ptr + cols, mask=mask).to(tl.float32)
+            out = centred * rstd * w + b
+        else:
+            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / H + eps)
+            # Round to s's dtype before the weight multiply, as HF does.
+            out = w * (h * rstd).to(s.dtype).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, *params: torch.Tensor) -> None:
+def _check_norm_args(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be (T, H) with unit column stride, got shape {tuple(x.shape)} strides {x.stride()}")
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"triton norms support fp16/bf16/fp32, got {x.dtype}")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} must match x {x.dtype} {tuple(x.shape)}")
-    for p in params:
+    for p in (weight,) if bias is None else (weight, bias):
         if p.shape != (x.shape[1],) or not p.is_contiguous():
             raise ValueError(f"norm parameters must be contiguous ({x.shape[1]},), got {tuple(p.shape)}")
     if x.shape[1] * x.element_size() > _MAX_FUSED_BYTES:
         raise ValueError(f"hidden size {x.shape[1]} is too large for a one-block-per-row norm")
-
-
-def _launch_config(x: torch.Tensor) -> dict[str, int]:
-    block_h = triton.next_power_of_2(x.shape[1])
-    return {"BLOCK_H": block_h, "num_warps": min(max(block_h // 256, 1), 8)}
-
-
-def _outputs(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Output dtype follows torch promotion of `weight * normed`, as in the references.
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    s = x if residual is None else torch.empty_like(x)
-    r = x if residual is None else residual  # a dummy pointer when there is no residual
-    return out, s, r
 
 
 def rms_norm_triton(
@@ -153,16 +116,7 @@ def rms_norm_triton(
     residual: torch.Tensor | None = None,  # (T, H)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `rms_norm_torch`: one program per row."""
-    if triton is None:
-        raise RuntimeError("rms_norm_triton needs triton, which is not installed")
-    _check_norm_args(x, residual, weight)
-    out, s, r = _outputs(x, weight, residual)
-    if x.shape[0] > 0:
-        _rms_norm_kernel[(x.shape[0],)](
-            x, r, s, out, weight, x.stride(0), r.stride(0), s.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=residual is not None, **_launch_config(x),
-        )  # fmt: skip
-    return out, s
+    return _norm_triton(x, weight, None, eps, residual)
 
 
 def layer_norm_triton(
@@ -173,13 +127,26 @@ def layer_norm_triton(
     residual: torch.Tensor | None = None,  # (T, H)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `layer_norm_torch`: one program per row, statistics in float32."""
+    return _norm_triton(x, weight, bias, eps, residual)
+
+
+def _norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm where there is a bias, RMSNorm where there is none."""
     if triton is None:
-        raise RuntimeError("layer_norm_triton needs triton, which is not installed")
+        raise RuntimeError(f"{'rms' if bias is None else 'layer'}_norm_triton needs triton, which is not installed")
     _check_norm_args(x, residual, weight, bias)
-    out, s, r = _outputs(x, weight, residual)
+    # Output dtype follows torch promotion of `weight * normed`, as in the references.
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = x if residual is None else torch.empty_like(x)
+    r = x if residual is None else residual  # a dummy pointer when there is no residual
+    b = weight if bias is None else bias  # likewise
     if x.shape[0] > 0:
-        _layer_norm_kernel[(x.shape[0],)](
-            x, r, s, out, weight, bias, x.stride(0), r.stride(0), s.stride(0), out.stride(0), x.shape[1], eps,
-            HAS_RESIDUAL=residual is not None, **_launch_config(x),
+        block_h = triton.next_power_of_2(x.shape[1])
+        _norm_kernel[(x.shape[0],)](
+            x, r, s, out, weight, b, x.stride(0), r.stride(0), s.stride(0), out.stride(0), x.shape[1], eps,
+            LAYER_NORM=bias is not None, HAS_RESIDUAL=residual is not None,
+            BLOCK_H=block_h, num_warps=min(max(block_h // 256, 1), 8),
         )  # fmt: skip
     return out, s

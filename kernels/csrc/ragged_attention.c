@@ -51,6 +51,44 @@ static int64_t find_request(const int64_t *tile_start, int64_t num_seqs, int64_t
     return lo;
 }
 
+/* Reads one request's cache slots (a slot: every KV head's row, contiguous) in position order, block by
+ * block through its block table. While it reads a block it prefetches the same slot of the next one,
+ * which lies elsewhere in memory, where the hardware prefetcher would not look. Both passes over K and
+ * V read through it; it is inlined, so a slot costs a branch or two on top of the rows it holds. */
+typedef struct {
+    const char *cache;        /* the K or V cache */
+    const int32_t *table;     /* the block table entry of the next block to read */
+    int64_t block_size, slot_bytes;
+    int64_t remaining;        /* slots still to read */
+    int64_t left;             /* slots still to read in the block being read */
+    const char *slot, *next;  /* the slot read next, and the same slot of the next block (NULL: not needed) */
+} SlotReader;
+
+static inline SlotReader slot_reader(const void *cache, const int32_t *table, int64_t block_size,
+                                     int64_t slot_bytes, int64_t num_slots) {
+    const SlotReader reader = {(const char *)cache, table, block_size, slot_bytes, num_slots, 0, NULL, NULL};
+    return reader;
+}
+
+static inline const void *read_slot(SlotReader *r) {
+    if (r->left == 0) {  /* a new block: find it, and the next one if this one does not end the read */
+        const int64_t block_bytes = r->block_size * r->slot_bytes;
+        r->slot = r->cache + (int64_t)r->table[0] * block_bytes;
+        r->next = r->remaining > r->block_size ? r->cache + (int64_t)r->table[1] * block_bytes : NULL;
+        r->table++;
+        r->left = r->block_size;
+    }
+    if (r->next != NULL) {
+        for (int64_t b = 0; b < r->slot_bytes; b += 64) __builtin_prefetch(r->next + b);
+        r->next += r->slot_bytes;
+    }
+    const char *slot = r->slot;
+    r->slot += r->slot_bytes;
+    r->left--;
+    r->remaining--;
+    return slot;
+}
+
 #define DEFINE_RAGGED_ATTENTION(NAME, T, ACC, EXP)                                                          \
 int NAME(                                                                                                   \
     T *out,                        /* (num_tokens, num_heads, head_dim) contiguous */                     \
@@ -65,6 +103,7 @@ int NAME(                                                                       
 {                                                                                                           \
     const int64_t group = num_heads / num_kv_heads;                                                         \
     const int64_t slot_stride = num_kv_heads * head_dim;                                                    \
+    const int64_t slot_bytes = slot_stride * (int64_t)sizeof(T);                                            \
     int64_t *tile_start = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));                                 \
     if (tile_start == NULL) return 1;                                                                       \
     tile_start[0] = 0;                                                                                      \
@@ -100,23 +139,16 @@ int NAME(                                                                       
                 const T *src = query + (q_start + row0 + r / num_heads) * stride_qt + (r % num_heads) * stride_qh; \
                 for (int64_t d = 0; d < head_dim; d++) q[r * head_dim + d] = (ACC)src[d] * (ACC)scale;      \
             }                                                                                               \
-            for (int64_t n0 = 0; n0 < kv_end; n0 += block_size) {  /* pass 1: scores, block by block */   \
-                const T *k = k_cache + (int64_t)table[n0 / block_size] * block_size * slot_stride;          \
-                const int64_t n1 = n0 + block_size < kv_end ? n0 + block_size : kv_end;                     \
-                const T *k_next = n0 + block_size < kv_end                                            \
-                    ? k_cache + (int64_t)table[n0 / block_size + 1] * block_size * slot_stride : NULL;   \
-                for (int64_t n = n0; n < n1; n++, k += slot_stride) {  /* one slot: every head's K row */  \
-                    if (k_next != NULL)  /* the next block is elsewhere: fetch it while this one runs */ \
-                        for (int64_t b = 0; b < slot_stride * (int64_t)sizeof(T); b += 64)                \
-                            __builtin_prefetch((const char *)(k_next + (n - n0) * slot_stride) + b);   \
-                    for (int64_t r = 0; r < rows; r++) {                                                    \
-                        const ACC *qr = q + r * head_dim;                                                   \
-                        const T *kh = k + ((r % num_heads) / group) * head_dim;                             \
-                        ACC dot = 0;                                                                        \
-                        _Pragma("omp simd reduction(+:dot)")                                                \
-                        for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * (ACC)kh[d];                   \
-                        scores[r * max_seq_len + n] = dot;                                                  \
-                    }                                                                                       \
+            SlotReader keys = slot_reader(k_cache, table, block_size, slot_bytes, kv_end);                  \
+            for (int64_t n = 0; n < kv_end; n++) {  /* pass 1: scores, slot by slot */                      \
+                const T *k = read_slot(&keys);                                                              \
+                for (int64_t r = 0; r < rows; r++) {                                                        \
+                    const ACC *qr = q + r * head_dim;                                                       \
+                    const T *kh = k + ((r % num_heads) / group) * head_dim;                                 \
+                    ACC dot = 0;                                                                            \
+                    _Pragma("omp simd reduction(+:dot)")                                                    \
+                    for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * (ACC)kh[d];                       \
+                    scores[r * max_seq_len + n] = dot;                                                      \
                 }                                                                                           \
             }                                                                                               \
             for (int64_t r = 0; r < rows; r++) {  /* softmax over each row's causal prefix */               \
@@ -133,22 +165,15 @@ int NAME(                                                                       
                 for (int64_t n = end; n < kv_end; n++) row[n] = 0;                                          \
             }                                                                                               \
             memset(acc, 0, (size_t)(rows * head_dim) * sizeof(ACC));                                        \
-            for (int64_t n0 = 0; n0 < kv_end; n0 += block_size) {  /* pass 2: weighted sum of V rows */   \
-                const T *v = v_cache + (int64_t)table[n0 / block_size] * block_size * slot_stride;          \
-                const int64_t n1 = n0 + block_size < kv_end ? n0 + block_size : kv_end;                     \
-                const T *v_next = n0 + block_size < kv_end                                            \
-                    ? v_cache + (int64_t)table[n0 / block_size + 1] * block_size * slot_stride : NULL;   \
-                for (int64_t n = n0; n < n1; n++, v += slot_stride) {  /* one slot: every head's V row */  \
-                    if (v_next != NULL)  /* the next block is elsewhere: fetch it while this one runs */ \
-                        for (int64_t b = 0; b < slot_stride * (int64_t)sizeof(T); b += 64)                \
-                            __builtin_prefetch((const char *)(v_next + (n - n0) * slot_stride) + b);   \
-                    for (int64_t r = 0; r < rows; r++) {                                                    \
-                        const ACC p = scores[r * max_seq_len + n];                                          \
-                        const T *vh = v + ((r % num_heads) / group) * head_dim;                             \
-                        ACC *ar = acc + r * head_dim;                                                       \
-                        _Pragma("omp simd")                                                                 \
-                        for (int64_t d = 0; d < head_dim; d++) ar[d] += p * (ACC)vh[d];                     \
-                    }                                                                                       \
+            SlotReader values = slot_reader(v_cache, table, block_size, slot_bytes, kv_end);                \
+            for (int64_t n = 0; n < kv_end; n++) {  /* pass 2: weighted sum of V rows, slot by slot */      \
+                const T *v = read_slot(&values);                                                            \
+                for (int64_t r = 0; r < rows; r++) {                                                        \
+                    const ACC p = scores[r * max_seq_len + n];                                              \
+                    const T *vh = v + ((r % num_heads) / group) * head_dim;                                 \
+                    ACC *ar = acc + r * head_dim;                                                           \
+                    _Pragma("omp simd")                                                                     \
+                    for (int64_t d = 0; d < head_dim; d++) ar[d] += p * (ACC)vh[d];                         \
                 }                                                                                           \
             }                                                                                               \
             for (int64_t r = 0; r < rows; r++) {  /* rows are (token, head) in out's own order */          \

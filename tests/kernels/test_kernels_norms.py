@@ -41,28 +41,24 @@ def test_layer_norm_torch_formula(with_residual):
     assert torch.equal(out, F.layer_norm(s, (48,), weight, bias, 1e-5))
 
 
-@pytest.mark.triton
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("hidden", [64, 80, 1000])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_rms_norm_triton(with_residual, hidden, dtype):
-    x, residual, weight, _ = _inputs(hidden, dtype)
-    r = residual if with_residual else None
-    out, s = rms_norm_triton(x, weight, 1e-6, r)
-    out_exp, s_exp = rms_norm_torch(x, weight, 1e-6, r)
-    _assert_sum_equal(s, s_exp)
-    torch.testing.assert_close(out, out_exp, atol=TOL[dtype], rtol=TOL[dtype])
+# Each norm's Triton version, its torch reference, and its arguments between x and residual.
+NORMS = {
+    "rms": (rms_norm_triton, rms_norm_torch, lambda weight, bias: (weight, 1e-6)),
+    "layer": (layer_norm_triton, layer_norm_torch, lambda weight, bias: (weight, bias, 1e-5)),
+}
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("hidden", [64, 80, 1000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_layer_norm_triton(with_residual, hidden, dtype):
+def test_norm_triton(norm, with_residual, hidden, dtype):
+    norm_triton, norm_torch, params = NORMS[norm]
     x, residual, weight, bias = _inputs(hidden, dtype)
-    r = residual if with_residual else None
-    out, s = layer_norm_triton(x, weight, bias, 1e-5, r)
-    out_exp, s_exp = layer_norm_torch(x, weight, bias, 1e-5, r)
+    args = (x, *params(weight, bias), residual if with_residual else None)
+    out, s = norm_triton(*args)
+    out_exp, s_exp = norm_torch(*args)
     _assert_sum_equal(s, s_exp)
     torch.testing.assert_close(out, out_exp, atol=TOL[dtype], rtol=TOL[dtype])
 
