@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import activations, attention, attention_cpu, kv_cache, norms, rotary
+from kernels import activations, attention, attention_cpu, kv_cache, norms, rotary, token_ops_cpu
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,15 @@ _TORCH_AND_TRITON = {
 TORCH_OPS = KernelOps(**{op: torch_op for op, (torch_op, _) in _TORCH_AND_TRITON.items()})
 TRITON_OPS = KernelOps(**{op: triton_op for op, (_, triton_op) in _TORCH_AND_TRITON.items()})
 
-# Token-wise ops stay torch on CPU (they already run at matmul speed there); attention is one C call,
-# and the tanh GELU torch's fused op.
+# On CPU attention is one C call and the tanh GELU torch's fused op; float32 models also get the C
+# token ops (RMSNorm, rotary, KV write: one call each where torch dispatched up to fourteen ops). float64
+# keeps torch's token ops, op for op as transformers computes them, so the exactness tests stay bitwise.
 CPU_OPS = dataclasses.replace(TORCH_OPS, attention=attention_cpu.ragged_attention_cpu,
                               gelu_tanh=activations.gelu_tanh_cpu)
+CPU_OPS_FLOAT32 = dataclasses.replace(CPU_OPS, rms_norm=token_ops_cpu.rms_norm_cpu,
+                                      apply_rotary=token_ops_cpu.apply_rotary_cpu,
+                                      write_kv=token_ops_cpu.write_kv_cpu)
+CPU_OP_SETS = (CPU_OPS, CPU_OPS_FLOAT32)
 
 
 def _triton_interpreting() -> bool:
@@ -53,9 +58,11 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")  # Triton < 3.4
 
 
-def get_kernel_ops(name: str, device_type: str, dtype: torch.dtype = torch.float32) -> KernelOps:
+def get_kernel_ops(name: str, device_type: str, dtype: torch.dtype = torch.float32,
+                   fused_token_ops: bool = True) -> KernelOps:
     """`name` is "auto" (Triton on cuda, the compiled C attention on cpu where it builds, torch elsewhere),
-    "torch", "cpu" or "triton"; `device_type` as torch.device.type; `dtype` the model's."""
+    "torch", "cpu" or "triton"; `device_type` as torch.device.type; `dtype` the model's. `fused_token_ops`
+    False keeps torch's token-wise ops on the CPU (for a step torch.compile fuses itself)."""
     if name not in ("auto", "torch", "cpu", "triton"):
         raise ValueError(f"unknown kernel backend {name!r}; expected 'auto', 'torch', 'cpu' or 'triton'")
     triton_installed = attention.triton is not None
@@ -63,7 +70,8 @@ def get_kernel_ops(name: str, device_type: str, dtype: torch.dtype = torch.float
         if device_type != "cpu":
             raise ValueError(f"kernel backend 'cpu' runs on cpu, got device {device_type!r}")
         if attention_cpu.available(dtype):
-            return CPU_OPS
+            fused = fused_token_ops and dtype == torch.float32 and token_ops_cpu.available()
+            return CPU_OPS_FLOAT32 if fused else CPU_OPS
         if name == "cpu":
             raise ValueError(f"kernel backend 'cpu' needs a C compiler and float32/float64, got {dtype}")
         return TORCH_OPS

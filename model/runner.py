@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
-from kernels.backend import CPU_OPS, get_kernel_ops
+from kernels.backend import CPU_OP_SETS, get_kernel_ops
 from model.distributed import ParallelGroups
 from model.loader import load_model, resolve_dtype
 from model.compiled import CompiledForward, warm_up
@@ -64,9 +64,10 @@ class ModelRunner:
         self.rank = self.groups.rank
         self.model, self.arch = load_model(model_dir, self.dtype, device, max_positions=max_model_len,
                                            groups=self.groups)
-        self.ops = get_kernel_ops(kernel_backend, self.device.type, self.dtype)
         self.block_size = block_size
         compile_step = _should_compile(enforce_eager, self.device, self.groups.rank.world_size)
+        # A compiled step leaves the token-wise ops to Inductor, which fuses them; an opaque C call would break its graph.
+        self.ops = get_kernel_ops(kernel_backend, self.device.type, self.dtype, fused_token_ops=not compile_step)
         # A compiled step gets one block past the KV manager's: warm-up and CUDA-graph padding write there.
         self.kv_caches = self._allocate_kv_cache(num_blocks + compile_step, block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -78,7 +79,7 @@ class ModelRunner:
         single_cpu_worker = self.device.type == "cpu" and self.groups.rank.world_size == 1
         self.max_threads = torch.get_num_threads() if single_cpu_worker else 1
         self.compiled: CompiledForward | None = None
-        if self.ops is CPU_OPS and can_pack(self.model, self.device, self.dtype) and not compile_step:
+        if self.ops in CPU_OP_SETS and can_pack(self.model, self.device, self.dtype) and not compile_step:
             pack_linears(self.model)  # oneDNN with packed weights: about 2x MKL's float32 matmuls here
         if compile_step:
             self.compiled = CompiledForward(self.model, self.ops, self.device, self.kv_caches, scratch_block=num_blocks,

@@ -22,8 +22,9 @@ def test_torch_and_auto_on_cpu():
 
 @pytest.mark.skipif(not backend.attention_cpu.available(torch.float32), reason="no C compiler here")
 def test_auto_on_cpu_is_the_compiled_attention_where_the_dtype_has_one():
-    assert get_kernel_ops("auto", "cpu") is backend.CPU_OPS
-    assert get_kernel_ops("cpu", "cpu", torch.float64) is backend.CPU_OPS
+    assert get_kernel_ops("auto", "cpu") is backend.CPU_OPS_FLOAT32  # float32: the C token ops too
+    assert get_kernel_ops("auto", "cpu", fused_token_ops=False) is backend.CPU_OPS  # a compiled step's
+    assert get_kernel_ops("cpu", "cpu", torch.float64) is backend.CPU_OPS  # float64: torch's, as transformers
     assert get_kernel_ops("auto", "cpu", torch.bfloat16) is backend.TORCH_OPS  # no bf16 C kernel: torch
     with pytest.raises(ValueError, match="float32/float64"):
         get_kernel_ops("cpu", "cpu", torch.bfloat16)
