@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from shared.outputs import TokenLogprob
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingKnobs, SamplingParams
 from shared.structured import ResponseFormat, StructuredOutputs
 from shared.tools import Tool, ToolCall, ToolChoice, check_tools, tool_constraint
 
@@ -22,25 +22,17 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A `tool` message: the call whose result `content` is."""
 
 
-class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
+    """One request: its prompt (text, token ids or chat messages), the sampling fields (SamplingKnobs)
+    and the fields of a body only: stop strings as given, constraints, tools, resume state."""
+
     id: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     """Chat messages, rendered with the checkpoint's chat template."""
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     priority: int = 0
     """Lower is served first (vLLM's convention); equal priorities are FCFS."""
     resume_token_ids: list[int] | None = None
@@ -81,13 +73,8 @@ class GenerateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def sampling_params(self) -> SamplingParams:
         """Validated sampling parameters; ValueError names the bad field."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
-            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=self.logprobs, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            structured_outputs=self.constraint(),
-        ).validate()
+        return SamplingParams(**self.knobs(), stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              structured_outputs=self.constraint()).validate()
 
     def constraint(self) -> StructuredOutputs | None:
         """The one thing the output must match, from structured_outputs, response_format or tool_choice."""

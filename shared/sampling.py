@@ -15,7 +15,10 @@ from shared.structured import StructuredOutputs
 MAX_TOP_LOGPROBS = 20
 
 
-class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
+    """The sampling fields a request body (`shared.api.GenerateRequest`) and the engine's SamplingParams
+    share, declared once; each adds the fields it spells its own way (stop strings, constraints)."""
+
     max_tokens: int = 16
     """Upper bound on generated tokens; Orca reserves prompt_len + max_tokens KV slots."""
     temperature: float = 1.0
@@ -26,15 +29,22 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     min_p: float = 0.0
     seed: int | None = None
     """A per-request seed makes sampling reproducible whatever else is in the batch."""
-    stop: tuple[str, ...] = ()
-    """Stop strings, matched on the detokenized text; the match is not returned."""
-    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of the top-k alternatives."""
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    def knobs(self) -> dict:
+        """These fields by name (to build a SamplingParams from a request body)."""
+        return {name: getattr(self, name) for name in SamplingKnobs.__struct_fields__}
+
+
+class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
+    stop: tuple[str, ...] = ()
+    """Stop strings, matched on the detokenized text; the match is not returned."""
+    stop_token_ids: tuple[int, ...] = ()
     structured_outputs: StructuredOutputs | None = None
     """What the output must match (a JSON schema, a regex, ...): the engine masks every other token."""
 
