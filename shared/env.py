@@ -29,7 +29,7 @@ from shared.config import engine_fields
 PREFIX = "ORCA_"
 
 SERVICE_ENV_VARS: dict[str, str] = {
-    "ORCA_NATS_URL": "NATS server URL, or a cluster's URLs comma-separated (`--nats-url` default of `orca serve` and the gateway)",
+    "ORCA_NATS_URL": "NATS server URL, or a cluster's URLs comma-separated (`--nats-url` default of `orca serve` and every service)",
     "ORCA_JETSTREAM_REPLICAS": "copies of the jobs streams (`--jetstream-replicas` of the jobs service): 3 on a NATS cluster, default 1",
     "ORCA_NATS_USER": "NATS user this process connects as (one per service: deploy/nats/nats.conf)",
     "ORCA_NATS_PASSWORD": "that user's password (never logged); unset: ORCA_NATS_<USER>_PASSWORD",

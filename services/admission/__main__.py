@@ -9,6 +9,7 @@ from services.admission.service import AdmissionService
 from services import liveness
 from services.bus import run_service
 from services.logs import setup_logging
+from services.service_args import add_service_args
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -23,13 +24,10 @@ async def main(args: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m services.admission")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    add_service_args(parser)
     parser.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting beyond this are refused")
     parser.add_argument("--no-engine-timeout", type=float, default=60.0,
                         help="queued requests end with an error once no engine has been alive for this many seconds")
-    parser.add_argument("--alive-file", default=None,
-                        help="touch this file every second while the event loop runs (for a supervisor's liveness check)")
-    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     setup_logging(args.log_level)
     asyncio.run(main(args))

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from services.cli import add_engine_args, engine_config_from_args
 from services.logs import setup_logging
+from services.service_args import add_service_args
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m services.engine")
     add_engine_args(parser)
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    add_service_args(parser, alive_file="every half second while supervising")
     parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
     parser.add_argument("--replica", default="0", help="this replica's name (unique per engine)")
     parser.add_argument("--worker-threads", type=int, default=None)
@@ -30,9 +31,6 @@ def main() -> int:
     parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
     parser.add_argument("--hang-timeout", type=float, default=10.0,
                         help="a master that answers nothing this many seconds is killed and restarted")
-    parser.add_argument("--alive-file", default=None,
-                        help="touch this file every half second while supervising (a container's liveness check)")
-    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     setup_logging(args.log_level)
 

@@ -13,19 +13,19 @@ from services.cli import add_chat_template_arg
 from services.gateway.app import build_app
 from services.gateway.state import GatewaySettings
 from services.logs import setup_logging
+from services.service_args import add_service_args
 from shared import env
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m services.gateway")
-    parser.add_argument("--nats-url", default=env.nats_url_default() or "nats://127.0.0.1:4222")
+    add_service_args(parser, alive_file=None)
     parser.add_argument("--model", required=True, help="checkpoint directory (its tokenizer and config.json)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=env.api_key(), help="require 'Authorization: Bearer <key>' "
                         "(default: $ORCA_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    parser.add_argument("--log-level", default="INFO")
     add_chat_template_arg(parser)
     env.apply_engine_env(parser)  # ORCA_CHAT_TEMPLATE (and ORCA_MODEL), as for the engine
     args = parser.parse_args()

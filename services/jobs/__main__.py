@@ -9,6 +9,7 @@ from services import liveness
 from services.bus import run_service
 from services.jobs.service import JobsService, stream_configs
 from services.logs import setup_logging
+from services.service_args import add_service_args
 from shared import env
 
 REPLICAS_ENV = "ORCA_JETSTREAM_REPLICAS"
@@ -27,17 +28,13 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m services.jobs")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222",
-                        help="a NATS server, or a cluster's servers: nats://a:4222,nats://b:4222,...")
+    add_service_args(parser)
     parser.add_argument("--concurrency", type=int, default=64, help="jobs generated at once")
     parser.add_argument("--jetstream-replicas", default=env.jetstream_replicas() or "1",
                         help="copies of the jobs streams: 3 on a NATS cluster of three servers or more, 1 on a "
                              f"single server (default: {REPLICAS_ENV}, else 1)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let jobs in progress finish (the rest are redelivered later)")
-    parser.add_argument("--alive-file", default=None, help="touch this file every second while the event loop "
-                                                           "runs (for a supervisor's liveness check)")
-    parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     try:
         args.jetstream_replicas = int(args.jetstream_replicas)

@@ -14,6 +14,7 @@ from services import liveness
 from services.bus import run_service, stop_events_on_signals
 from services.cli import add_chat_template_arg
 from services.logs import setup_logging
+from services.service_args import add_service_args
 from services.tokenizer.service import TokenizerService
 from shared import env
 
@@ -64,16 +65,13 @@ async def hold_until_exit_signal(drained_fd: int, exit_signal: asyncio.Event) ->
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m services.tokenizer")
-    parser.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    add_service_args(parser)
     parser.add_argument("--model", required=True)
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let requests in flight finish before ending them with an error")
     parser.add_argument("--drained-fd", type=int, default=None,
                         help="(for a supervisor) after the drain write a line to this file descriptor and keep "
                              "refusing new requests until a second SIGTERM; without it, exit once drained")
-    parser.add_argument("--alive-file", default=None,
-                        help="touch this file every second while the event loop runs (for a supervisor's liveness check)")
-    parser.add_argument("--log-level", default="INFO")
     add_chat_template_arg(parser)
     env.apply_engine_env(parser)  # ORCA_CHAT_TEMPLATE (and ORCA_MODEL), as for the engine
     args = parser.parse_args()
