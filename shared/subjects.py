@@ -6,6 +6,8 @@ Internal subjects carry msgpack-encoded structs from `shared.messages`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 PREFIX = "orca.v1"
 
 # Public API (JSON bodies)
@@ -34,39 +36,23 @@ def jobs_result(job_id: str) -> str:
     return f"{JOBS_RESULT_PREFIX}.{job_id}"
 
 
-def engine_admit(replica: str) -> str:
-    """admission -> one engine master: Admit."""
-    return f"{PREFIX}.engine.{replica}.admit"
+def _engine_subject(kind: str) -> Callable[[str], str]:
+    """`orca.v1.engine.<replica>.<kind>`: one engine replica's subject of that kind."""
+    return lambda replica: f"{PREFIX}.engine.{replica}.{kind}"
 
 
-def engine_step(replica: str) -> str:
-    """engine master -> its workers: StepMessage, one per iteration."""
-    return f"{PREFIX}.engine.{replica}.step"
+def _instance_subject(kind: str) -> Callable[[str], str]:
+    """`orca.v1.<kind>.<instance>`: the subject of one tokenizer instance."""
+    return lambda instance: f"{PREFIX}.{kind}.{instance}"
 
 
-def engine_result(replica: str) -> str:
-    """workers -> engine master: StepResult, one per iteration."""
-    return f"{PREFIX}.engine.{replica}.result"
-
-
-def engine_replay(replica: str) -> str:
-    """tokenizer -> engine master (request/reply): OutputsReplay."""
-    return f"{PREFIX}.engine.{replica}.replay"
-
-
-def engine_resync(replica: str) -> str:
-    """worker -> its engine master: WorkerResync, after a reconnect."""
-    return f"{PREFIX}.engine.{replica}.resync"
-
-
-def placed(tokenizer_instance: str) -> str:
-    """admission -> the tokenizer instance that owns the requests: Placed."""
-    return f"{PREFIX}.placed.{tokenizer_instance}"
-
-
-def detok(tokenizer_instance: str) -> str:
-    """engine master -> the tokenizer instance that owns the requests: IterationOutputs."""
-    return f"{PREFIX}.detok.{tokenizer_instance}"
+engine_admit = _engine_subject("admit")  # admission -> one engine master: Admit
+engine_step = _engine_subject("step")  # engine master -> its workers: StepMessage, one per iteration
+engine_result = _engine_subject("result")  # workers -> engine master: StepResult, one per iteration
+engine_replay = _engine_subject("replay")  # tokenizer -> engine master (request/reply): OutputsReplay
+engine_resync = _engine_subject("resync")  # worker -> its engine master: WorkerResync, after a reconnect
+placed = _instance_subject("placed")  # admission -> the tokenizer instance that owns the requests: Placed
+detok = _instance_subject("detok")  # engine master -> the tokenizer instance that owns the requests: IterationOutputs
 
 
 def is_valid_token(token: str) -> bool:
