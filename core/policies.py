@@ -53,17 +53,14 @@ class RequestLevelPolicy(OrcaPolicy):
         return num_running_at_start == 0
 
 
-class PagedPolicy:
-    """vLLM's answer to Orca's reservation: admit when the prompt's blocks fit, grow block by
-    block as tokens come, and when blocks run out preempt by recompute (the victim's blocks
-    are freed, it goes back to the waiting queue with its generated tokens kept)."""
+class PagedPolicy(OrcaPolicy):
+    """vLLM's answer to Orca's reservation: iteration-level as Orca, but a request is admitted when
+    its prompt's blocks fit, grows block by block as tokens come, and when blocks run out the
+    scheduler preempts by recompute (the victim's blocks are freed, it goes back to the waiting
+    queue with its generated tokens kept)."""
 
     name = "paged"
     grows_on_demand = True
-    lockstep = False
-
-    def admission_open(self, num_running_at_start: int) -> bool:
-        return True
 
     def reservation(self, request: Request, max_model_len: int) -> int:
         return request.num_tokens

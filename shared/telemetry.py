@@ -281,3 +281,13 @@ class SnapshotPublisher:
                 await self.publish_now()
             except Exception as exc:  # noqa: BLE001 - draining or reconnecting: the next tick tries again
                 log.debug("metrics snapshot not published: %s", exc)
+
+
+class ServiceTelemetry:
+    """What a service's telemetry starts from: tracing set up for it, its tracer, and the source id its
+    metric snapshots carry."""
+
+    def __init__(self, service: str) -> None:
+        self.tracing = setup_tracing(service)
+        self.tracer = get_tracer(f"orca.{service}")
+        self.source = new_source_id(service)

@@ -8,15 +8,13 @@ from opentelemetry.trace import Span, Status, StatusCode
 from core.admission import AdmissionQueue, QueueFull
 from shared.messages import AdmissionMetrics, TokenizedRequest
 from shared.outputs import FinishReason
-from shared.telemetry import context_from_traceparent, get_tracer, new_source_id, setup_tracing
+from shared.telemetry import ServiceTelemetry, context_from_traceparent
 
 
-class AdmissionTelemetry:
+class AdmissionTelemetry(ServiceTelemetry):
     def __init__(self, queue: AdmissionQueue) -> None:
-        self.tracing = setup_tracing("admission")
-        self.tracer = get_tracer("orca.admission")
+        super().__init__("admission")
         self.queue = queue
-        self.source = new_source_id("admission")
         self.spans: dict[str, Span] = {}
         self.admitted = 0
         self.rejected_queue_full = 0

@@ -39,14 +39,13 @@ import uuid
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.batch import SchedulerOutput, StepResult
 from core.request import Request
 from core.scheduler import Scheduler
 from core.streams import ReplayLog
-from services.bus import on_reconnect
+from services.bus import Bus, on_reconnect
 from services.engine.telemetry import EngineTelemetry
 from services.engine.worker_group import StepTimedOut, WorkerDied, WorkerGroup
 from shared import subjects
@@ -106,7 +105,7 @@ class InFlight:
 
 
 class EngineMaster:
-    def __init__(self, config: EngineConfig, replica: str, nc: Client, workers: WorkerGroup, *,
+    def __init__(self, config: EngineConfig, replica: str, nc: Bus, workers: WorkerGroup, *,
                  max_model_len: int, eos_token_ids: tuple[int, ...], step_timeout_s: float = 120.0) -> None:
         self.config, self.replica, self.nc, self.workers = config, replica, nc, workers
         self.max_model_len = max_model_len
@@ -207,7 +206,7 @@ class EngineMaster:
                 break
             await self._send(scheduler_output, started)
         if not self._in_flight:
-            await self._idle_briefly()  # requests wait for room that in-flight work will free
+            await self._idle(0.05)  # requests wait for room that in-flight work will free
             return
         oldest = self._in_flight[0]
         room = len(self._in_flight) < self.max_in_flight
@@ -264,17 +263,11 @@ class EngineMaster:
         if freed or time.monotonic() - self._status_sent_at >= ITERATION_STATUS_S:
             await self.publish_status()
 
-    async def _idle_briefly(self) -> None:
+    async def _idle(self, timeout_s: float = 0.5) -> None:
+        """Until something wakes the loop (an admit, a result, a cancel), or `timeout_s`."""
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout=0.05)
-        except asyncio.TimeoutError:
-            pass
-
-    async def _idle(self) -> None:
-        self._wake.clear()
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout=0.5)
+            await asyncio.wait_for(self._wake.wait(), timeout=timeout_s)
         except asyncio.TimeoutError:
             pass
 

@@ -21,7 +21,7 @@ from shared.messages import TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 from shared.telemetry import (ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, Histogram, context_from_headers,
-                              get_tracer, new_source_id, setup_tracing, traceparent)
+                              ServiceTelemetry, traceparent)
 
 
 @dataclass
@@ -34,12 +34,10 @@ class RequestTrace:
     detokenize_s: float = 0.0
 
 
-class TokenizerTelemetry:
+class TokenizerTelemetry(ServiceTelemetry):
     def __init__(self, model_name: str) -> None:
-        self.tracing = setup_tracing("tokenizer")
-        self.tracer = get_tracer("orca.tokenizer")
+        super().__init__("tokenizer")
         self.model_name = model_name
-        self.source = new_source_id("tokenizer")
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: Counter[FinishReason] = Counter()
