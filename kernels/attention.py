@@ -56,16 +56,11 @@ def _check_attention_args(
 # Ground truth for tests: gather, full softmax in float32 (float64 for float64 input), explicit mask.
 
 
-def attention_dense_reference(
-    query: torch.Tensor,  # (T, nh, hd)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    block_tables: torch.Tensor,  # (B, max_blocks) int32
-    seq_lens: torch.Tensor,  # (B,) int32, context length including this iteration's tokens
-    query_start_loc: torch.Tensor,  # (B + 1,) int32
-    scale: float,
-) -> torch.Tensor:  # (T, nh, hd)
-    """Naive and slow on purpose: the definition the fast paths are tested against."""
+def attention_dense_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """Naive and slow on purpose: the definition the fast paths are tested against. Arguments and
+    result as `ragged_attention_torch`'s."""
     _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -341,19 +336,13 @@ def _attention_blocks(group: int, head_dim: int, max_query_len: int, element_siz
     }
 
 
-def ragged_attention_triton(
-    query: torch.Tensor,  # (T, nh, hd)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    block_tables: torch.Tensor,  # (B, max_blocks) int32
-    seq_lens: torch.Tensor,  # (B,) int32, context length including this iteration's tokens
-    query_start_loc: torch.Tensor,  # (B + 1,) int32
-    scale: float,
-    *,
-    max_query_len: int | None = None,  # hint for tile shapes; default T - B + 1, a bound needing no sync
-    max_seq_len: int | None = None,  # accepted for a common signature; the kernel needs no bound
-) -> torch.Tensor:  # (T, nh, hd)
-    """Triton version of `ragged_attention_torch`; fp16/bf16/fp32 inputs, fp32 accumulation."""
+def ragged_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                            scale: float, *, max_query_len: int | None = None,
+                            max_seq_len: int | None = None) -> torch.Tensor:
+    """Triton version of `ragged_attention_torch` (same arguments and result); fp16/bf16/fp32 inputs, fp32
+    accumulation. `max_query_len` picks the tile shapes (default T - B + 1, a bound needing no device
+    sync); `max_seq_len` is accepted for the common signature, the kernel needs no bound."""
     if triton is None:
         raise RuntimeError("ragged_attention_triton needs triton, which is not installed")
     _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)

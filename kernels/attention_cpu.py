@@ -33,18 +33,13 @@ def available(dtype: torch.dtype) -> bool:
     return _function(dtype) is not None
 
 
-def ragged_attention_cpu(
-    query: torch.Tensor,  # (T, nh, hd), any token/head strides, unit dim stride
-    k_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    block_tables: torch.Tensor,  # (B, max_blocks) int32
-    seq_lens: torch.Tensor,  # (B,) int32, context length including this iteration's tokens
-    query_start_loc: torch.Tensor,  # (B + 1,) int32
-    scale: float,
-    *,
-    max_query_len: int | None = None,  # accepted for a common signature; not needed here
-    max_seq_len: int | None = None,  # max(seq_lens), when the caller knows it (saves a reduction)
-) -> torch.Tensor:  # (T, nh, hd)
+def ragged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         scale: float, *, max_query_len: int | None = None,
+                         max_seq_len: int | None = None) -> torch.Tensor:
+    """Arguments and result as `kernels.attention.ragged_attention_torch`'s; `query` may have any token and
+    head strides (unit stride along head_dim). `max_query_len` is not needed here; `max_seq_len`, when
+    the caller knows it, saves a reduction."""
     _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if query.device.type != "cpu":
         raise ValueError(f"ragged_attention_cpu runs on cpu tensors, got {query.device}")

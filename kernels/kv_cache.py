@@ -78,14 +78,9 @@ if triton is not None:
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
-def write_kv_triton(
-    key: torch.Tensor,  # (T, nkv, hd)
-    value: torch.Tensor,  # (T, nkv, hd)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, nkv, hd)
-    slot_mapping: torch.Tensor,  # (T,) int64
-) -> None:
-    """Triton version of `write_kv_torch`: one program per (token, kv head)."""
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """Triton version of `write_kv_torch` (same arguments): one program per (token, kv head)."""
     if triton is None:
         raise RuntimeError("write_kv_triton needs triton, which is not installed")
     _check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)

@@ -109,24 +109,16 @@ def _check_norm_args(
         raise ValueError(f"hidden size {x.shape[1]} is too large for a one-block-per-row norm")
 
 
-def rms_norm_triton(
-    x: torch.Tensor,  # (T, H)
-    weight: torch.Tensor,  # (H,)
-    eps: float,
-    residual: torch.Tensor | None = None,  # (T, H)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `rms_norm_torch`: one program per row."""
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `rms_norm_torch` (same arguments and result): one program per row."""
     return _norm_triton(x, weight, None, eps, residual)
 
 
-def layer_norm_triton(
-    x: torch.Tensor,  # (T, H)
-    weight: torch.Tensor,  # (H,)
-    bias: torch.Tensor,  # (H,)
-    eps: float,
-    residual: torch.Tensor | None = None,  # (T, H)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `layer_norm_torch`: one program per row, statistics in float32."""
+def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `layer_norm_torch` (same arguments and result): one program per row,
+    statistics in float32."""
     return _norm_triton(x, weight, bias, eps, residual)
 
 

@@ -97,14 +97,9 @@ def _rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positi
     )  # fmt: skip
 
 
-def apply_rotary_triton(
-    query: torch.Tensor,  # (T, nh, hd), may be a strided view
-    key: torch.Tensor,  # (T, nkv, hd), may be a strided view
-    cos: torch.Tensor,  # (max_positions, hd/2)
-    sin: torch.Tensor,  # (max_positions, hd/2)
-    positions: torch.Tensor,  # (T,) int64
-) -> None:
-    """Triton version of `apply_rotary_torch`: in place on strided query/key views."""
+def apply_rotary_triton(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor) -> None:
+    """Triton version of `apply_rotary_torch` (same arguments): in place on strided query/key views."""
     if triton is None:
         raise RuntimeError("apply_rotary_triton needs triton, which is not installed")
     _check_rotary_args(query, key, cos, sin, positions)
