@@ -15,6 +15,7 @@ import signal
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import nats
@@ -28,10 +29,29 @@ REQUEST_TIMEOUT_S = 5.0
 MAX_PAYLOAD_HINT = 1024 * 1024  # nats-server's default max_payload
 SCHEMES = ("nats", "tls", "ws", "wss")
 
-_reconnect_listeners: weakref.WeakKeyDictionary[Client, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
+class Bus(Protocol):
+    """What the services use of their NATS connection, and all they may use: nats.py's `Client` (made by
+    `connect`) is the real one; tests/fake_nats.py's RecordingNats the in-memory one for the tests of a
+    service's logic. Reconnects reach a service through `on_reconnect`."""
+
+    @property
+    def is_connected(self) -> bool: ...
+
+    def new_inbox(self) -> str: ...
+
+    async def subscribe(self, subject: str, queue: str = "", cb: Callable[[Any], Awaitable[None]] | None = None,
+                        **options: Any) -> Any: ...
+
+    async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
+                      headers: dict[str, str] | None = None) -> None: ...
+
+    async def flush(self, timeout: float = ...) -> None: ...
 
 
-def on_reconnect(nc: Client, callback: Callable[[], None]) -> None:
+_reconnect_listeners: weakref.WeakKeyDictionary[Bus, list[Callable[[], None]]] = weakref.WeakKeyDictionary()
+
+
+def on_reconnect(nc: Bus, callback: Callable[[], None]) -> None:
     """Call `callback` after each reconnect of `nc` (a connection made by `connect`). Core NATS
     keeps nothing for a subscriber that is away, so messages may have been lost meanwhile. The
     callback runs inside nats.py's reconnect: it must not block (start a task for real work)."""

@@ -18,11 +18,10 @@ import logging
 import time
 import uuid
 
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.admission import AdmissionQueue, QueueFull
-from services.bus import on_reconnect
+from services.bus import Bus, on_reconnect
 from services.admission.telemetry import AdmissionTelemetry
 from shared import subjects
 from shared.api import decode_abort
@@ -43,7 +42,7 @@ every HEARTBEAT_S, and at once after an Admit)."""
 
 
 class AdmissionService:
-    def __init__(self, nc: Client, max_queue_len: int, no_engine_timeout_s: float = 60.0) -> None:
+    def __init__(self, nc: Bus, max_queue_len: int, no_engine_timeout_s: float = 60.0) -> None:
         self.nc = nc
         self.incarnation = uuid.uuid4().hex[:12]
         self.queue = AdmissionQueue(max_queue_len, no_engine_timeout_s=no_engine_timeout_s)

@@ -32,14 +32,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
-from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from core.detokenize import IncrementalDetokenizer
 from core.streams import Arrival, ReplayLog, arrival
 from engine.tokenizer import Tokenizer, render_messages
 from shared.client import NoAnswer, ask
-from services.bus import on_reconnect
+from services.bus import Bus, on_reconnect
 from services.tokenizer.recovery import Recovery, prime, reattach, resume_ids
 from services.tokenizer.telemetry import RequestTrace, TokenizerTelemetry
 from shared import subjects
@@ -111,7 +110,7 @@ class ActiveRequest:
 
 
 class TokenizerService:
-    def __init__(self, nc: Client, tokenizer: Tokenizer, vocab_size: int, instance: str | None = None,
+    def __init__(self, nc: Bus, tokenizer: Tokenizer, vocab_size: int, instance: str | None = None,
                  model_name: str = "orca") -> None:
         self.nc = nc
         self.tokenizer = tokenizer
