@@ -32,7 +32,7 @@ generate: setup $(DEMO_MODEL)/config.json
 	@cat out/generations.jsonl
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=40
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m 'not slow'

@@ -16,7 +16,7 @@ from services.engine.worker_group import WorkerDied
 from services.gateway.status import StatusBoard
 from shared.codec import Codec
 from shared.config import CacheConfig, EngineConfig, ModelConfig
-from shared.messages import (MAX_RESUMES, Admit, AdmissionStatus, EngineStatus, IterationOutputs, Placed,
+from shared.messages import (MAX_RESUMES, Admit, AdmissionStatus, Cancel, EngineStatus, IterationOutputs, Placed,
                              TokenizedRequest, TokenizerStatus)
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
@@ -339,3 +339,18 @@ def test_a_resumed_request_whose_last_token_already_ended_it_ends_at_once():
 
     tokens, final = asyncio.run(go())
     assert tokens == [] and final == (FinishReason.LENGTH, None)
+
+
+def test_a_cancel_that_overtakes_its_admit_ends_the_request_before_it_runs_and_frees_nothing_twice():
+    async def go():
+        master, bus, workers, stop, task = await running_master()
+        await master.on_cancel(SimpleNamespace(data=Codec.encode(Cancel("early", FinishReason.ABORT))))
+        await admit(master, request("early", max_tokens=40), request("other", max_tokens=5))
+        outs = await until_ended(bus, "early", "other")
+        await stopped(stop, task, master)
+        return outs, master, workers
+
+    outs, master, workers = asyncio.run(go())
+    assert outs["early"] == [[], (FinishReason.ABORT, None)], "ended with no token: it never ran"
+    assert outs["other"][1] == (FinishReason.LENGTH, None) and len(outs["other"][0]) == 5
+    assert "early" not in master.scheduler.requests and master.scheduler.kv_cache.num_used_blocks == 0
