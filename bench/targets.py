@@ -147,8 +147,8 @@ class HttpTarget:
                     record.finish(now, f"error event: {chunk['error']}")
                     return
                 for choice in chunk.get("choices") or ():
-                    if choice.get("text"):
-                        record.add_chunk(now, 1)
+                    if choice.get("text") or (choice.get("finish_reason") and not record.chunk_times):
+                        record.add_chunk(now, 1)  # a request's text may all come with its last chunk
                     finish_reason = choice.get("finish_reason") or finish_reason
                 usage = chunk.get("usage") or usage
         if usage:

@@ -23,7 +23,7 @@ import msgspec
 from ray import serve
 
 from services.cli import add_engine_args, engine_config_from_args
-from services.engine.launch import launch_master
+from services.engine.launch import WorkerLaunch, launch_master
 from services.gateway.app import RayGateway
 from services.gateway.state import GatewaySettings
 from shared import env
@@ -53,9 +53,9 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, nats_url: str, args: AppArgs) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.master = launch_master(config, nats_url, self.replica, worker_threads=args.worker_threads,
-                                    step_timeout_s=args.step_timeout_s, worker_cpus=args.worker_cpus,
-                                    restarted_by_ray=False)
+        launch = WorkerLaunch(step_timeout_s=args.step_timeout_s, worker_cpus=args.worker_cpus,
+                              worker_threads=args.worker_threads)
+        self.master = launch_master(config, nats_url, self.replica, launch, restarted_by_ray=False)
         self.running = self.master.run.remote()
 
     def check_health(self) -> None:

@@ -28,6 +28,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from services.cpu_binding import CpuLayout, bind_this_process, plan_cpu_layout
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
 from shared.codec import Codec
@@ -64,17 +65,29 @@ def default_worker_threads(cpus: int, workers: int) -> int:
     return max(1, (cpus - 1) // workers)
 
 
-def start_engines(config: EngineConfig, nats_url: str, args: argparse.Namespace,
-                  worker_threads: int | None) -> list:
+def start_engines(config: EngineConfig, nats_url: str, args: argparse.Namespace, worker_threads: int,
+                  layout: CpuLayout | None) -> list:
     """A supervisor per engine replica, its master running (its `run` call fails at once if, say,
     the cluster cannot place its workers: `wait_until_ready` says so)."""
-    from services.engine.launch import MasterSupervisor, launch_master
+    from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master
 
+    world = config.parallel.world_size
+    launches = [WorkerLaunch(step_timeout_s=args.step_timeout, worker_cpus=args.worker_cpus,
+                             worker_threads=worker_threads,
+                             worker_cores=layout.workers[i * world:(i + 1) * world] if layout else None)
+                for i in range(args.replicas)]
     now = time.monotonic()
-    return [MasterSupervisor(str(i), launch_master(config, nats_url, str(i), worker_threads=worker_threads,
-                                                   step_timeout_s=args.step_timeout, worker_cpus=args.worker_cpus),
+    return [MasterSupervisor(str(i), launch_master(config, nats_url, str(i), launch),
                              hang_timeout_s=args.hang_timeout).start(now)
-            for i in range(args.replicas)]
+            for i, launch in enumerate(launches)]
+
+
+def cpu_layout(args: argparse.Namespace, config: EngineConfig, workers: int, threads: int) -> CpuLayout | None:
+    """Where `--cpu-bind auto` puts the workers and the control plane: only for CPU workers of a
+    local Ray (a cluster's workers run on other machines' cores)."""
+    if args.cpu_bind == "off" or config.model.device != "cpu" or args.ray_address is not None:
+        return None
+    return plan_cpu_layout(sorted(os.sched_getaffinity(0)), workers, threads)
 
 
 def start_services(args: argparse.Namespace, nats_url: str, config: EngineConfig,
@@ -163,6 +176,14 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     def on_signal(signum, frame) -> None:
         stop["now"] = True
 
+    workers = args.replicas * config.parallel.world_size
+    cores = len(os.sched_getaffinity(0))
+    threads = args.worker_threads or default_worker_threads(cores, workers)
+    layout = cpu_layout(args, config, workers, threads)
+    if layout is not None:  # first: every process started from here (NATS, Ray, the services) inherits it
+        bind_this_process(layout.control)
+        print(f"cores: control plane {list(layout.control)}, workers {[list(w) for w in layout.workers]} "
+              f"(--cpu-bind off to leave them unbound)", flush=True)
     with ExitStack() as stack:
         nats_url = args.nats_url
         if nats_url is None:
@@ -186,9 +207,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         stack.callback(shutil.rmtree, run_dir, True)
         services = start_services(args, nats_url, config, run_dir)
         stack.callback(stop_processes, list(services.values()))
-        workers = args.replicas * config.parallel.world_size
-        threads = args.worker_threads or default_worker_threads(os.cpu_count() or 1, workers)
-        masters = start_engines(config, nats_url, args, threads)
+        masters = start_engines(config, nats_url, args, threads, layout)
         stack.callback(_stop_masters, [m.actor for m in masters])
         asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config)
@@ -319,6 +338,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=1, help="engine replicas (each with its own workers)")
     g.add_argument("--worker-threads", type=int, default=None,
                    help="torch threads per worker (default: the cores less one, shared by the workers)")
+    g.add_argument("--cpu-bind", choices=("auto", "off"), default="auto",
+                   help="auto: on a CPU-only local Ray, each worker runs on cores of its own (the last ones) and "
+                        "everything else on the rest; off: the OS places them")
     g.add_argument("--worker-cpus", type=float, default=1.0,
                    help="Ray CPUs reserved per worker (tp x pp workers per replica; fractions allowed)")
     g.add_argument("--max-queue-len", type=int, default=1024, help="admission queue bound")

@@ -36,7 +36,7 @@ def main() -> int:
 
     import ray
 
-    from services.engine.launch import MasterSupervisor, launch_master
+    from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master
 
     config = engine_config_from_args(args)
     os.environ.setdefault("RAY_worker_niceness", "0")  # see services/serve.py
@@ -44,8 +44,9 @@ def main() -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    master = launch_master(config, args.nats_url, args.replica, worker_threads=args.worker_threads,
-                           worker_cpus=args.worker_cpus, step_timeout_s=args.step_timeout)
+    launch = WorkerLaunch(step_timeout_s=args.step_timeout, worker_cpus=args.worker_cpus,
+                          worker_threads=args.worker_threads)
+    master = launch_master(config, args.nats_url, args.replica, launch)
     supervisor = MasterSupervisor(args.replica, master, hang_timeout_s=args.hang_timeout).start(time.monotonic())
     print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
     alive = Path(args.alive_file) if args.alive_file else None

@@ -14,6 +14,7 @@ from typing import Any
 
 from model.arch import eos_token_ids, resolve_max_model_len
 from services.bus import connect, drain_quietly
+from services.engine.launch import WorkerLaunch
 from services.engine.master import EngineMaster
 from services.engine.placement import reserve_workers, worker_bundle
 from services.engine.worker_actor import Worker
@@ -23,12 +24,10 @@ from shared.config import EngineConfig
 
 
 class EngineMasterActor:
-    def __init__(self, config: EngineConfig, nats_url: str, replica: str, *, worker_cpus: float = 1.0,
-                 worker_threads: int | None = None, step_timeout_s: float = 120.0) -> None:
+    def __init__(self, config: EngineConfig, nats_url: str, replica: str, launch: WorkerLaunch) -> None:
         setup_logging()  # a Ray actor process: timestamps and INFO lines in its log, as every service has
         self.config, self.nats_url, self.replica = config, nats_url, replica
-        self.worker_cpus, self.worker_threads = worker_cpus, worker_threads
-        self.step_timeout_s = step_timeout_s
+        self.launch = launch
         self.master: EngineMaster | None = None
         self._stop = asyncio.Event()
 
@@ -40,7 +39,7 @@ class EngineMasterActor:
         max_model_len = resolve_max_model_len(model.model, model.max_model_len)
         check_parallel(load_arch_config(model.model), self.config)
         world = self.config.parallel.world_size
-        bundle = worker_bundle(model.device, self.worker_cpus)
+        bundle = worker_bundle(model.device, self.launch.worker_cpus)
         what = (f"engine {self.replica} (tp={self.config.parallel.tensor_parallel_size} "
                 f"pp={self.config.parallel.pipeline_parallel_size})")
         group = await asyncio.to_thread(reserve_workers, world, bundle, what=what,
@@ -50,7 +49,7 @@ class EngineMasterActor:
         self.master = EngineMaster(self.config, self.replica, nc, RayWorkerGroup(workers),
                                    max_model_len=max_model_len,
                                    eos_token_ids=eos_token_ids(self.config.model.model),
-                                   step_timeout_s=self.step_timeout_s)
+                                   step_timeout_s=self.launch.step_timeout_s)
         await self.master.start()
         try:
             await self.master.run(self._stop)
@@ -68,7 +67,8 @@ class EngineMasterActor:
             name=name, max_restarts=-1, max_task_retries=0,
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=16,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
-        ).remote(self.config, self.nats_url, self.replica, max_model_len, self.worker_threads, rank)
+        ).remote(self.config, self.nats_url, self.replica, max_model_len, self.launch.worker_threads, rank,
+                  self.launch.cores_of(rank))
 
     async def stop(self) -> None:
         self._stop.set()

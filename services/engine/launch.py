@@ -16,6 +16,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from shared.config import EngineConfig
 
 log = logging.getLogger("orca.engine")
@@ -27,8 +29,25 @@ STABLE_S = 60.0
 """A master that ran this long since its last start begins the backoff from the first delay again."""
 
 
-def launch_master(config: EngineConfig, nats_url: str, replica: str, *, worker_threads: int | None,
-                  step_timeout_s: float, worker_cpus: float, restarted_by_ray: bool = True) -> Any:
+class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How an engine replica runs its workers; every launcher passes one (`orca serve`,
+    `python -m services.engine`, the RayService builder)."""
+
+    step_timeout_s: float = 120.0
+    """An iteration with no result within this long counts as a dead worker."""
+    worker_cpus: float = 1.0
+    """Ray CPUs each worker reserves."""
+    worker_threads: int | None = None
+    """Torch threads per worker (None: torch's default)."""
+    worker_cores: tuple[tuple[int, ...], ...] | None = None
+    """Cores each worker (by rank) runs on alone (services/cpu_binding.py); None: not bound."""
+
+    def cores_of(self, rank: int) -> tuple[int, ...] | None:
+        return self.worker_cores[rank] if self.worker_cores else None
+
+
+def launch_master(config: EngineConfig, nats_url: str, replica: str, launch: WorkerLaunch, *,
+                  restarted_by_ray: bool = True) -> Any:
     """The master actor of one engine replica (not yet running: call `run`); every launcher starts it
     here. `restarted_by_ray`: a named actor Ray restarts (`orca serve`, `python -m services.engine`);
     False for one fate-shared with a Serve replica, which Serve restarts (services/rayservice.py)."""
@@ -39,8 +58,7 @@ def launch_master(config: EngineConfig, nats_url: str, replica: str, *, worker_t
     lifecycle = ({"name": f"orca-engine-{replica}", "max_restarts": -1, "max_task_retries": 0}
                  if restarted_by_ray else {})
     return ray.remote(EngineMasterActor).options(num_cpus=0, max_concurrency=64, **lifecycle).remote(
-        config, nats_url, replica, worker_threads=worker_threads, step_timeout_s=step_timeout_s,
-        worker_cpus=worker_cpus)
+        config, nats_url, replica, launch)
 
 
 @dataclass

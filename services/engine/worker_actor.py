@@ -27,6 +27,7 @@ from core.batch import SchedulerOutput, StepResult
 from shared.parallel import ParallelRank
 from shared import env, subjects
 from shared.codec import Codec
+from services.cpu_binding import bind_this_process
 from services.logs import setup_logging
 from shared.config import EngineConfig
 from shared.messages import WorkerResync
@@ -39,8 +40,10 @@ RESULTS_KEPT = 8
 
 class Worker:
     def __init__(self, config: EngineConfig, nats_url: str, replica: str, max_model_len: int,
-                 num_threads: int | None = None, rank: int = 0) -> None:
+                 num_threads: int | None = None, rank: int = 0, cores: tuple[int, ...] | None = None) -> None:
         setup_logging()  # a Ray actor process: timestamps and INFO lines in its log, as every service has
+        if cores:
+            bind_this_process(cores)  # before the model loads: its threads start here
         self.config, self.nats_url, self.replica = config, nats_url, replica
         self.max_model_len = max_model_len
         self.num_threads = num_threads

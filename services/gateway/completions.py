@@ -72,7 +72,7 @@ class Call:
     def chunks(self, index: int, event: Event) -> list[dict]:
         choice = self.choices[index]
         first = not choice.started
-        sent_len = sum(map(len, choice.text))
+        sent_len = choice.text_len
         choice.started = True
         choice.add(event)
         logprobs = event.logprobs if self.want_logprobs and event.logprobs else None

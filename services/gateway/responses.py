@@ -22,6 +22,8 @@ class Choice:
     """What one choice has received so far."""
 
     text: list[str] = field(default_factory=list)
+    text_len: int = 0
+    """Characters in `text` (a stream's logprob offsets start there)."""
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -31,6 +33,7 @@ class Choice:
 
     def add(self, event: Event) -> None:
         self.text.append(event.text)
+        self.text_len += len(event.text)
         self.num_tokens += len(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)

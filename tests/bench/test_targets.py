@@ -45,6 +45,24 @@ def test_http_target_reads_openai_streaming_completions():
     assert result.duration_s > 0
 
 
+def test_a_stream_whose_text_all_comes_last_still_has_a_first_token_time():
+    """Held-back text (an incomplete UTF-8 sequence, say) can leave every chunk but the last empty."""
+
+    def late_text(request: httpx.Request) -> httpx.Response:
+        n = json.loads(request.content)["max_tokens"]
+        chunks = [{"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None},
+                  {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}}]
+        return httpx.Response(200, content=sse(*chunks, "[DONE]"), headers={"content-type": "text/event-stream"})
+
+    async def main():
+        async with HttpTarget("http://gateway", transport=httpx.MockTransport(late_text)) as t:
+            return await drive_streaming(t, REQUESTS[:1], [0.0], progress=False)
+
+    result = asyncio.run(main())
+    [record] = result.records
+    assert record.success and len(record.chunk_times) == 1 and record.ttft_s >= 0
+
+
 def test_http_errors_are_failed_requests():
     def refuse(request: httpx.Request) -> httpx.Response:
         return httpx.Response(429, json={"error": {"message": "queue full"}})

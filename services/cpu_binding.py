@@ -1,0 +1,52 @@
+"""Which cores the model workers and the control plane run on, on a CPU-only `orca serve`.
+
+Each worker gets cores of its own (the last ones), and the control plane (nats-server, Ray, the
+gateway, tokenizer, admission, jobs and the engine masters) the rest: a worker's thread is then never
+preempted by the control plane, and the control plane never waits behind a worker's OpenMP team.
+vLLM's CPU build binds its OpenMP threads the same way and leaves a core to its API server.
+Measured on the 2-core VM (tiny Llama, `orca bench --transport http`, rate inf, two runs each,
+alternating): 2,433 and 2,669 out tok/s unbound against 2,784 and 2,962 bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger("orca.cpu")
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    control: tuple[int, ...]
+    """The control plane's cores."""
+    workers: tuple[tuple[int, ...], ...]
+    """Each worker's cores, replica by replica, rank by rank."""
+
+
+def plan_cpu_layout(cpus: Sequence[int], workers: int, threads: int) -> CpuLayout | None:
+    """`threads` cores for each of `workers` workers, from the end of `cpus`, and what is left for the
+    control plane; None when that leaves the control plane no core (then nothing is bound)."""
+    ordered = sorted(set(cpus))
+    needed = workers * threads
+    if workers < 1 or threads < 1 or len(ordered) <= needed:
+        return None
+    spare = len(ordered) - needed
+    return CpuLayout(control=tuple(ordered[:spare]),
+                     workers=tuple(tuple(ordered[spare + i * threads: spare + (i + 1) * threads])
+                                   for i in range(workers)))
+
+
+def bind_this_process(cpus: Sequence[int]) -> bool:
+    """Run every thread of this process (and whatever it starts later) on `cpus` alone. False, with
+    a warning, where the OS refuses (a cpuset without those cores, say): the process then runs as before."""
+    wanted = set(cpus)
+    try:
+        for thread_id in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread_id), wanted)
+    except (OSError, ValueError) as exc:
+        log.warning("could not bind this process to cores %s: %s", sorted(wanted), exc)
+        return False
+    return True
