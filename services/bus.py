@@ -211,6 +211,13 @@ async def synced(nc: Client, timeout_s: float = 5.0) -> None:
     await nc.flush(timeout=timeout_s)
 
 
+async def sent(nc: Client) -> None:
+    """Write everything published on `nc` so far to the socket now. nats.py leaves a publish in its
+    pending buffer for a flusher task, which runs only once the caller yields to the event loop: a
+    caller about to block it (a worker starting its next step) would hold the message back that long."""
+    await nc._flush_pending(force_flush=True)
+
+
 async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[Callable[[], Awaitable[None]] | None]],
                       stop: asyncio.Event | None = None) -> None:
     """Connect, let `start` subscribe (it may return a coroutine function that stops its own

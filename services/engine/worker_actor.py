@@ -91,7 +91,7 @@ class Worker:
 
         if self._subscribed.is_set():
             return  # already serving: one loop per worker
-        from services.bus import on_reconnect, synced
+        from services.bus import on_reconnect, sent, synced
 
         nc = await connect(self.nats_url, f"orca-worker-{self.replica}-{self.rank.rank}")
         self.runner.requests.clear()  # a (re)start begins with no request state
@@ -102,8 +102,11 @@ class Worker:
         self._subscribed.set()
         try:
             while True:
-                for data in self.take(step_codec.decode(await self._steps.get())):
+                answers = self.take(step_codec.decode(await self._steps.get()))
+                for data in answers:
                     await nc.publish(subjects.engine_result(self.replica), data)
+                if answers:  # out before the next step, which may be waiting already (async scheduling)
+                    await sent(nc)
         finally:
             self._subscribed.clear()
             await nc.close()

@@ -1,0 +1,77 @@
+"""A worker's step result leaves at once, on a real nats-server, even when the next step is already
+waiting: under async scheduling the master sends iteration N+1 while the worker runs N, and N's result
+(the request's next token) must not wait for N+1's forward pass."""
+
+import asyncio
+import threading
+
+import nats
+
+from core.batch import RunnerOutput, SchedulerOutput, StepResult
+from services.engine.worker_actor import Worker
+from shared import subjects
+from shared.codec import Codec
+from shared.config import EngineConfig, ModelConfig
+
+
+class WatchedRunner:
+    """Step 1 waits (up to 10 s) until someone outside the worker has received step 0's result."""
+
+    def __init__(self, first_result_seen: threading.Event) -> None:
+        self.requests: dict = {}
+        self.first_result_seen = first_result_seen
+        self.seen_in_time: bool | None = None
+
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+        if step.iteration == 1:
+            self.seen_in_time = self.first_result_seen.wait(timeout=10)
+        return RunnerOutput({"r": step.iteration})
+
+
+def listen_for_results(url: str, seen: threading.Event, subscribed: threading.Event, stop: threading.Event) -> None:
+    """In a thread of its own: the worker's event loop is busy while a step runs."""
+
+    async def main() -> None:
+        nc = await nats.connect(url)
+
+        async def on_result(msg) -> None:
+            if Codec(StepResult).decode(msg.data).iteration == 0:
+                seen.set()
+
+        await nc.subscribe(subjects.engine_result("0"), cb=on_result)
+        await nc.flush()
+        subscribed.set()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+        await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_result_is_on_the_wire_before_the_next_waiting_step_runs(nats_url):
+    seen, subscribed, stop = threading.Event(), threading.Event(), threading.Event()
+    listener = threading.Thread(target=listen_for_results, args=(nats_url, seen, subscribed, stop), daemon=True)
+    listener.start()
+    assert subscribed.wait(10)
+    worker = Worker(EngineConfig(model=ModelConfig(model="unused")), nats_url, "0", max_model_len=64)
+    worker.runner = WatchedRunner(seen)
+
+    async def main() -> None:
+        serving = asyncio.create_task(worker.serve())
+        await worker.wait_subscribed()
+        nc = await nats.connect(nats_url)
+        for iteration in (0, 1):  # back to back: step 1 is queued while step 0 runs
+            await nc.publish(subjects.engine_step("0"), Codec.encode(SchedulerOutput(iteration, [], [], [])))
+        await nc.flush()
+        while worker.last_iteration != 1:
+            await asyncio.sleep(0.01)
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await nc.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 30))
+    finally:
+        stop.set()
+        listener.join(5)
+    assert worker.runner.seen_in_time, "step 0's result was held back until step 1 had run"
