@@ -3,8 +3,9 @@
 Two verbs: `schedule()` decides the next iteration; `update(output, result)` applies what
 the model produced and returns events. Each iteration is filled by token budget in
 Sarathi-Serve's stall-free order: running decodes first, then running prefills (chunks
-when chunked prefill is on), then newly admitted requests. So a prefill and other
-requests' decodes share one iteration (selective batching).
+when chunked prefill is on, each at most `long_prefill_token_threshold` tokens where that is
+set), then newly admitted requests. So a prefill and other requests' decodes share one
+iteration (selective batching), and one long prompt cannot take a whole iteration's budget.
 
 Admission follows the waiting queue's order (priority, then arrival) and stops at the first
 request that does not fit: no skipping, no starvation within a priority. How much KV a
@@ -70,6 +71,7 @@ class Scheduler:
                    max_num_seqs=scheduler.max_num_seqs,
                    max_num_batched_tokens=scheduler.max_num_batched_tokens or max(max_model_len, 8192),
                    max_model_len=max_model_len, enable_chunked_prefill=scheduler.enable_chunked_prefill,
+                   long_prefill_token_threshold=scheduler.long_prefill_token_threshold,
                    pipeline_depth=pipeline_depth,
                    async_scheduling=(scheduler.async_scheduling and world_size == 1 and pipeline_depth == 1
                                      and not policy.lockstep))
@@ -83,6 +85,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = False,
+        long_prefill_token_threshold: int = 0,
         pipeline_depth: int = 1,
         async_scheduling: bool = False,
     ) -> None:
@@ -91,6 +94,8 @@ class Scheduler:
                 f"max_num_batched_tokens={max_num_batched_tokens} is below max_model_len={max_model_len}: "
                 "a long prompt could never run; raise it or enable chunked prefill"
             )
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold} must be >= 0 (0: no cap)")
         if async_scheduling and (pipeline_depth > 1 or policy.lockstep):
             raise ValueError(f"async scheduling needs one worker with no pipeline and an iteration-level policy "
                              f"(got pipeline depth {pipeline_depth}, policy {policy.name})")
@@ -103,6 +108,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        """With chunked prefill: most tokens of one request's chunk in one iteration; 0: no cap."""
         self.pipeline_depth = pipeline_depth
         self.async_scheduling = async_scheduling
         self.waiting: list[Request] = []  # sorted by queue_key
@@ -453,10 +460,12 @@ class Scheduler:
         return decodes + prefills
 
     def _tokens_this_iteration(self, request: Request, budget: int) -> int:
+        """All the tokens the request has left where they fit the budget, else none; with chunked
+        prefill, as many as fit, and at most long_prefill_token_threshold (0: no cap)."""
         remaining = request.num_tokens - request.num_computed_tokens
-        if remaining <= budget:
-            return remaining
-        return budget if self.enable_chunked_prefill else 0
+        if not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        return min(remaining, budget, self.long_prefill_token_threshold or remaining)
 
     def _scheduled(self, request: Request, num_new: int, new_blocks: list[int]) -> ScheduledRequest:
         new_token_ids: list[int] = []
@@ -518,6 +527,9 @@ class Scheduler:
 
     def _check_invariants(self, output: SchedulerOutput) -> None:
         assert output.num_tokens <= self.max_num_batched_tokens
+        if self.enable_chunked_prefill and self.long_prefill_token_threshold and not self.policy.lockstep:
+            assert all(s.num_new_tokens <= self.long_prefill_token_threshold for s in output.scheduled), \
+                "a prefill chunk above long_prefill_token_threshold"
         assert len(self.running) <= self.max_num_seqs
         held = {b for r in self.running for b in self.kv_cache.block_ids(r.request_id)}
         assert len(held) == self.kv_cache.num_used_blocks, "KV blocks held by requests that are not running"

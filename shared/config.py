@@ -45,6 +45,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Token budget of one iteration; None means max(max_model_len, 8192)."""
     enable_chunked_prefill: Annotated[bool, Flag("split long prompts across iterations")] = False
     """Split prompts that do not fit the remaining budget into chunks (Sarathi-Serve)."""
+    long_prefill_token_threshold: Annotated[int, Flag("most tokens of one request's prefill chunk (0: no cap)")] = 0
+    """vLLM's knob: with chunked prefill on, one request's prompt chunk in one iteration is at most this
+    many tokens, so one long prompt does not take a whole iteration's budget from the decodes and
+    shorter prompts beside it. 0: no cap (vLLM's default). Ignored without chunked prefill and under `static`."""
     async_scheduling: Annotated[bool, Flag(
         "schedule the next iteration while the worker runs this one (one worker; default on)")] = True
     """Schedule iteration N+1 while the worker runs N (vLLM V1's async scheduling): the worker feeds
@@ -58,6 +62,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0")
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.cli import BENCH_ENGINE_FIELDS, SIM_ENGINE_FIELDS
+from bench.cli import BENCH_ENGINE_FIELDS, SIM_ENGINE_FIELDS, engine_config as bench_engine_config
 from services.cli import build_parser, engine_config_from_args
 from shared import env, flags
 from shared.config import SCHEDULER_POLICIES, EngineConfig, EngineField, Flag, ModelConfig, engine_fields
@@ -109,6 +109,29 @@ def test_engine_argv_gives_what_differs_from_the_launched_commands_defaults():
         "--model", "m", "--enforce-eager", "--no-async-scheduling", "--tensor-parallel-size", "2"]
     with pytest.raises(ValueError, match="--enable-prefix-caching"):  # a switch has no --no- form to undo a variable
         flags.engine_argv(config, environ={"ORCA_ENABLE_PREFIX_CACHING": "true"})
+
+
+@pytest.mark.parametrize("via", ["flags", "variables"])
+def test_a_new_setting_reaches_every_entry_point_from_its_one_declaration(via, monkeypatch, tmp_path):
+    """long_prefill_token_threshold is one field in shared/config.py: `orca generate`, `orca serve`,
+    `orca bench --launch` and `orca simulate` take it as a flag or as ORCA_LONG_PREFILL_TOKEN_THRESHOLD,
+    and the server `orca bench --launch` starts gets it in its argv."""
+    argv = ["--enable-chunked-prefill", "--long-prefill-token-threshold", "8"]
+    if via == "variables":
+        argv = []
+        monkeypatch.setenv("ORCA_ENABLE_CHUNKED_PREFILL", "true")
+        monkeypatch.setenv("ORCA_LONG_PREFILL_TOKEN_THRESHOLD", "8")
+    parser = build_parser()
+    commands = {"generate": ["--model", "m", "--input", "-", "--output", "-"], "serve": [], "bench": ["--launch"],
+                "simulate": []}
+    for name, rest in commands.items():
+        args = parser.parse_args([name, *rest, *argv])
+        scheduler = flags.section_from_args("scheduler", args)
+        assert (scheduler.enable_chunked_prefill, scheduler.long_prefill_token_threshold) == (True, 8), name
+    launched = bench_engine_config(parser.parse_args(["bench", "--launch", "--model", str(tmp_path), *argv]), "orca")
+    served = flags.engine_argv(launched, environ={})  # the child's environment without the variables
+    assert served[served.index("--long-prefill-token-threshold") + 1] == "8"
+    assert engine_config_from_args(parser.parse_args(["serve", *served])) == launched
 
 
 def test_a_field_type_without_a_flag_shape_is_refused():

@@ -20,11 +20,12 @@ EOS = 2
 def make_scheduler(policy: str = "orca", *, num_blocks: int = 64, block_size: int = 1, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 256, max_model_len: int = 64,
                    enable_chunked_prefill: bool = False, enable_prefix_caching: bool = False,
-                   pipeline_depth: int = 1) -> Scheduler:
+                   pipeline_depth: int = 1, long_prefill_token_threshold: int = 0) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
     return Scheduler(make_policy(policy), kv, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                     enable_chunked_prefill=enable_chunked_prefill, pipeline_depth=pipeline_depth)
+                     enable_chunked_prefill=enable_chunked_prefill, pipeline_depth=pipeline_depth,
+                     long_prefill_token_threshold=long_prefill_token_threshold)
 
 
 def make_request(request_id: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True, priority: int = 0,

@@ -14,7 +14,15 @@ config_st = st.fixed_dictionaries({
     "max_num_seqs": st.integers(1, 6),
     "max_num_batched_tokens": st.sampled_from([32, 48, 200]),
     "enable_chunked_prefill": st.booleans(),
+    "long_prefill_token_threshold": st.sampled_from([0, 0, 1, 3, 8, 25]),  # 0: no cap; 25: above most prompts
 })
+
+
+def assert_chunks_capped(out, chunked: bool, threshold: int, budget: int) -> None:
+    """No prefill chunk above the threshold (with chunked prefill; 0: no cap), none above the budget."""
+    assert out.num_tokens <= budget
+    if chunked and threshold:
+        assert all(item.num_new_tokens <= threshold for item in out.scheduled), "a prefill chunk above the threshold"
 
 
 @settings(max_examples=300, deadline=None)
@@ -23,7 +31,8 @@ def test_scheduler_invariants(config, requests, num_blocks):
     block_size = config["block_size"]
     s = make_scheduler(config["policy"], num_blocks=num_blocks * 4 // block_size, block_size=block_size,
                        max_num_seqs=config["max_num_seqs"], max_num_batched_tokens=config["max_num_batched_tokens"],
-                       max_model_len=32, enable_chunked_prefill=config["enable_chunked_prefill"])
+                       max_model_len=32, enable_chunked_prefill=config["enable_chunked_prefill"],
+                       long_prefill_token_threshold=config["long_prefill_token_threshold"])
     accepted: dict[str, int | None] = {}  # in arrival order
     finished: dict[str, object] = {}
     admitted: list[str] = []
@@ -33,6 +42,8 @@ def test_scheduler_invariants(config, requests, num_blocks):
             finished[event.request_id] = event.finish_reason
         running_before = {r.request_id for r in s.running}
         out = s.schedule()
+        assert_chunks_capped(out, config["enable_chunked_prefill"], config["long_prefill_token_threshold"],
+                             config["max_num_batched_tokens"])
         newly = [r.request_id for r in s.running if r.request_id not in running_before]
         if newly and config["policy"] == "request-level":
             assert not running_before, "request-level admitted while a batch was running"
@@ -52,13 +63,14 @@ def test_scheduler_invariants(config, requests, num_blocks):
 @settings(max_examples=200, deadline=None)
 @given(policy=st.sampled_from(["orca", "paged"]), depth=st.integers(1, 4),
        requests=st.lists(request_st, min_size=1, max_size=12), num_blocks=st.integers(6, 40),
-       chunked=st.booleans())
-def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_blocks, chunked):
+       chunked=st.booleans(), threshold=st.sampled_from([0, 1, 5, 25]))
+def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_blocks, chunked, threshold):
     """Pipeline parallelism keeps `depth` iterations in flight: a request is never in two of them,
     the runner's token stream (new_requests + new_token_ids) matches the scheduler's, and every
     request still ends with one final event and no leaked KV."""
     s = make_scheduler(policy, num_blocks=num_blocks, block_size=4, max_num_seqs=5, max_num_batched_tokens=48,
-                       max_model_len=32, enable_chunked_prefill=chunked, pipeline_depth=depth)
+                       max_model_len=32, enable_chunked_prefill=chunked, pipeline_depth=depth,
+                       long_prefill_token_threshold=threshold)
     accepted: dict[str, int | None] = {}
     finished: set[str] = set()
     runner_tokens: dict[str, list[int]] = {}  # what a pipeline stage knows of each request
@@ -66,6 +78,7 @@ def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_bl
     for iteration in range(600):
         accepted |= add_arrivals(s, requests, iteration)
         out = s.schedule()
+        assert_chunks_capped(out, chunked, threshold, 48)
         for rid in out.finished_request_ids + out.preempted_request_ids:
             runner_tokens.pop(rid, None)
         for new in out.new_requests:
