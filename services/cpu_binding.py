@@ -26,6 +26,18 @@ class CpuLayout:
     """Each worker's cores, replica by replica, rank by rank."""
 
 
+def available_cpus() -> list[int]:
+    """The cores this process may run on (a taskset's or a container's cpuset, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def can_bind() -> bool:
+    """Linux: threads can be bound (`bind_this_process`); elsewhere nothing is."""
+    return hasattr(os, "sched_setaffinity") and os.path.isdir("/proc/self/task")
+
+
 def plan_cpu_layout(cpus: Sequence[int], workers: int, threads: int) -> CpuLayout | None:
     """`threads` cores for each of `workers` workers, from the end of `cpus`, and what is left for the
     control plane; None when that leaves the control plane no core (then nothing is bound)."""

@@ -28,7 +28,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from services.cpu_binding import CpuLayout, bind_this_process, plan_cpu_layout
+from services.cpu_binding import CpuLayout, available_cpus, bind_this_process, can_bind, plan_cpu_layout
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
 from shared.codec import Codec
@@ -85,9 +85,9 @@ def start_engines(config: EngineConfig, nats_url: str, args: argparse.Namespace,
 def cpu_layout(args: argparse.Namespace, config: EngineConfig, workers: int, threads: int) -> CpuLayout | None:
     """Where `--cpu-bind auto` puts the workers and the control plane: only for CPU workers of a
     local Ray (a cluster's workers run on other machines' cores)."""
-    if args.cpu_bind == "off" or config.model.device != "cpu" or args.ray_address is not None:
+    if args.cpu_bind == "off" or config.model.device != "cpu" or args.ray_address is not None or not can_bind():
         return None
-    return plan_cpu_layout(sorted(os.sched_getaffinity(0)), workers, threads)
+    return plan_cpu_layout(available_cpus(), workers, threads)
 
 
 def start_services(args: argparse.Namespace, nats_url: str, config: EngineConfig,
@@ -177,8 +177,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         stop["now"] = True
 
     workers = args.replicas * config.parallel.world_size
-    cores = len(os.sched_getaffinity(0))
-    threads = args.worker_threads or default_worker_threads(cores, workers)
+    threads = args.worker_threads or default_worker_threads(len(available_cpus()), workers)
     layout = cpu_layout(args, config, workers, threads)
     if layout is not None:  # first: every process started from here (NATS, Ray, the services) inherits it
         bind_this_process(layout.control)

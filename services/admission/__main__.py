@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from services.admission.service import AdmissionService
 from services import liveness
 from services.bus import run_service
 from services.logs import setup_logging
-from services.service_args import add_service_args
+from services.service_args import add_service_args, run_event_loop
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -30,4 +29,4 @@ if __name__ == "__main__":
                         help="queued requests end with an error once no engine has been alive for this many seconds")
     args = parser.parse_args()
     setup_logging(args.log_level)
-    asyncio.run(main(args))
+    run_event_loop(main(args))

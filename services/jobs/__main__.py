@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from services import liveness
 from services.bus import run_service
 from services.jobs.service import JobsService, stream_configs
 from services.logs import setup_logging
-from services.service_args import add_service_args
+from services.service_args import add_service_args, run_event_loop
 from shared import env
 
 REPLICAS_ENV = "ORCA_JETSTREAM_REPLICAS"
@@ -47,4 +46,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse_args()
     setup_logging(args.log_level)
-    asyncio.run(main(args))
+    run_event_loop(main(args))

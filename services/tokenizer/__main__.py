@@ -14,7 +14,7 @@ from services import liveness
 from services.bus import run_service, stop_events_on_signals
 from services.cli import add_chat_template_arg
 from services.logs import setup_logging
-from services.service_args import add_service_args
+from services.service_args import add_service_args, run_event_loop
 from services.tokenizer.service import TokenizerService
 from shared import env
 
@@ -76,4 +76,4 @@ if __name__ == "__main__":
     env.apply_engine_env(parser)  # ORCA_CHAT_TEMPLATE (and ORCA_MODEL), as for the engine
     args = parser.parse_args()
     setup_logging(args.log_level)
-    asyncio.run(main(args))
+    run_event_loop(main(args))
