@@ -9,13 +9,13 @@ iteration, which is what the simulator replaces), and fits by least squares
     seconds = a + b * prefill_tokens + c * decode_tokens + d * decode_context
 
 (decode_context: the KV entries the decode tokens attend to), with coefficients kept >= 0. They go
-to `bench/fitted.py`. It prints the fit error on iterations held out from the fit (every 4th):
+to `loadtest/fitted.py`. It prints the fit error on iterations held out from the fit (every 4th):
 per iteration, and on their total time (what throughput depends on). On a shared machine an
 iteration can be descheduled mid-way, so per-iteration errors are large; the total is the figure
 to read.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \\
-        python benchmarks/fit_cost_model.py --model .cache/demo-llama --threads 1   # bench/fitted.py
+        python benchmarks/fit_cost_model.py --model .cache/demo-llama --threads 1   # loadtest/fitted.py
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from bench.cost_models import iteration_shapes, total  # noqa: E402
-from bench.datasets import orca_paper_requests  # noqa: E402
-from bench.targets import resolved_model  # noqa: E402
+from loadtest.cost_models import iteration_shapes, total  # noqa: E402
+from loadtest.datasets import orca_paper_requests  # noqa: E402
+from loadtest.targets import resolved_model  # noqa: E402
 from shared.flags import add_engine_args, engine_config_from_args  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
@@ -44,7 +44,7 @@ FEATURES = ("a", "b", "c", "d")
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64)
 ENGINE_FIELDS = ("model", "kv_cache_tokens")
 """The engine flags this script takes (the rest: the engine's defaults, the orca policy)."""
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "fitted.py")
+OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "loadtest", "fitted.py")
 
 
 def collect(engine, num_requests: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

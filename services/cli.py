@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
 
-    from bench.cli import add_bench_parsers
+    from loadtest.cli import add_bench_parsers
 
     add_bench_parsers(sub)  # orca bench, orca simulate
     return parser

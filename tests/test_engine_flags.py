@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bench.cli import BENCH_ENGINE_FIELDS, SIM_ENGINE_FIELDS, engine_config as bench_engine_config
+from loadtest.cli import BENCH_ENGINE_FIELDS, SIM_ENGINE_FIELDS, engine_config as bench_engine_config
 from services.cli import build_parser, engine_config_from_args
 from shared import env, flags
 from shared.config import SCHEDULER_POLICIES, EngineConfig, EngineField, Flag, ModelConfig, engine_fields

@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from bench.arrivals import arrival_times, parse_rate, parse_rates
-from bench.datasets import (jsonl_requests, load_dataset, load_trace, orca_paper_requests, parse_range,
+from loadtest.arrivals import arrival_times, parse_rate, parse_rates
+from loadtest.datasets import (jsonl_requests, load_dataset, load_trace, orca_paper_requests, parse_range,
                             random_requests)
 
 N = 20_000

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 
 import msgspec
 
-from bench.loadgen import StepEvent
-from bench.report import RequestRecord
+from loadtest.loadgen import StepEvent
+from loadtest.report import RequestRecord
 from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest, encode_json
 from shared.config import EngineConfig

@@ -3,13 +3,13 @@ lanes and an unpipelined batch charged, and the Orca paper's 175B capacity ratio
 
 from __future__ import annotations
 
-from bench.arrivals import arrival_times
-from bench.cost_models import ClusterCostModel, IterationShape, iteration_shapes, make_cost_model
-from bench.datasets import orca_paper_requests, random_requests
-from bench.report import capacity_at, summarize
-from bench.simulator import simulate
+from loadtest.arrivals import arrival_times
+from loadtest.cost_models import ClusterCostModel, IterationShape, iteration_shapes, make_cost_model
+from loadtest.datasets import orca_paper_requests, random_requests
+from loadtest.report import capacity_at, summarize
+from loadtest.simulator import simulate
 from shared.config import SchedulerConfig
-from tests.bench.test_simulator import ONE_SECOND
+from tests.loadtest.test_simulator import ONE_SECOND
 from tests.core.helpers import fake_step, make_request, make_scheduler
 
 

@@ -1,4 +1,4 @@
-"""`orca simulate` end to end through bench.cli.main: report, capacity ratio, JSON and PNG."""
+"""`orca simulate` end to end through loadtest.cli.main: report, capacity ratio, JSON and PNG."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from bench import targets
-from bench.cli import add_bench_parsers, engine_config, main
-from bench.cost_models import make_cost_model
+from loadtest import targets
+from loadtest.cli import add_bench_parsers, engine_config, main
+from loadtest.cost_models import make_cost_model
 from shared import env
 from shared.config import CacheConfig, SchedulerConfig
 
@@ -79,15 +79,15 @@ def test_bench_engine_flags_reach_the_engine_and_a_launched_server(tmp_path, mon
 
 
 def test_simulate_takes_the_scheduler_and_cache_flags(monkeypatch, no_engine_variables):
-    import bench.simulator
+    import loadtest.simulator
 
-    seen, real = [], bench.simulator.simulate
+    seen, real = [], loadtest.simulator.simulate
 
     def spy(requests, arrivals, scheduler, cost_model, **kwargs):
         seen.append((scheduler, kwargs["cache"]))
         return real(requests, arrivals, scheduler, cost_model, **kwargs)
 
-    monkeypatch.setattr(bench.simulator, "simulate", spy)
+    monkeypatch.setattr(loadtest.simulator, "simulate", spy)
     assert main(["simulate", "--num-prompts", "4", "--policy", "orca:4", "--block-size", "1",
                  "--enable-chunked-prefill", "--no-async-scheduling", "--disable-tqdm"]) == 0
     [(scheduler, cache)] = seen

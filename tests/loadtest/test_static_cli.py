@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.cli import main, parse_policy
+from loadtest.cli import main, parse_policy
 
 
 def test_policy_items_carry_their_own_max_batch_size():

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from bench.datasets import prompt_len
-from bench.report import RequestRecord
+from loadtest.datasets import prompt_len
+from loadtest.report import RequestRecord
 from shared.api import GenerateRequest
 
 

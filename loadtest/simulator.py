@@ -6,7 +6,7 @@ the simulated clock by it, and feeds `Scheduler.update()` a made-up token for ev
 that samples. Requests ignore EOS, so each generates exactly its `max_tokens`. Under the static
 policy a batch is one pipeline micro-batch and its dead lanes are charged like decodes. Arrivals are
 added between iterations by the same stepped driver that runs the in-process engine
-(`bench.loadgen.drive_stepped`), on the simulated clock. Nothing reads the wall clock or an
+(`loadtest.loadgen.drive_stepped`), on the simulated clock. Nothing reads the wall clock or an
 unseeded random source, so a seed fixes the result.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from bench.cost_models import IterationShape, iteration_shapes
-from bench.loadgen import RunResult, StepEvent, drive_stepped
+from loadtest.cost_models import IterationShape, iteration_shapes
+from loadtest.loadgen import RunResult, StepEvent, drive_stepped
 from core.batch import RunnerOutput
 from core.request import Request
 from core.scheduler import Scheduler
@@ -28,7 +28,7 @@ SIMULATED_TOKEN = 0
 
 
 class CostModel(Protocol):
-    """What the simulator needs of a cost model (see bench.cost_models)."""
+    """What the simulator needs of a cost model (see loadtest.cost_models)."""
 
     max_model_len: int
     default_kv_cache_tokens: int
@@ -37,7 +37,7 @@ class CostModel(Protocol):
 
 
 class SimulatedEngine:
-    """A stepped target (`bench.loadgen.SteppedTarget`) on a simulated clock, with the engine's own
+    """A stepped target (`loadtest.loadgen.SteppedTarget`) on a simulated clock, with the engine's own
     scheduler and KV cache configs; None takes the cost model's: its KV capacity (what fits next to
     the weights, in blocks of the default size) and its context length."""
 

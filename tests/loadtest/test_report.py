@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.report import (Capacity, RequestRecord, capacity_at, capacity_ratio, format_report, orca_counterpart,
+from loadtest.report import (Capacity, RequestRecord, capacity_at, capacity_ratio, format_report, orca_counterpart,
                           parse_goodput, percentile, summarize)
 
 

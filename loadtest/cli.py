@@ -10,7 +10,7 @@ from shared/config.py by shared/flags.py) but `--scheduler`, which `--policy` re
 engine's `--seed` (here `--seed` seeds the workload). `orca simulate` takes the scheduler and
 cache flags, so the simulated scheduler is configured as the engine's is.
 
-`add_bench_parsers(subparsers)` registers both on the `orca` command; `python -m bench.cli`
+`add_bench_parsers(subparsers)` registers both on the `orca` command; `python -m loadtest.cli`
 runs them alone.
 """
 
@@ -27,10 +27,10 @@ import uuid
 
 import msgspec
 
-from bench.arrivals import arrival_times, parse_rate, parse_rates
-from bench.datasets import DATASETS, load_dataset, load_trace, parse_range, with_token_ids
-from bench.loadgen import RunResult, drive_stepped, drive_streaming
-from bench.report import (Capacity, capacity_at, capacity_ratio, format_report, orca_counterpart, parse_goodput,
+from loadtest.arrivals import arrival_times, parse_rate, parse_rates
+from loadtest.datasets import DATASETS, load_dataset, load_trace, parse_range, with_token_ids
+from loadtest.loadgen import RunResult, drive_stepped, drive_streaming
+from loadtest.report import (Capacity, capacity_at, capacity_ratio, format_report, orca_counterpart, parse_goodput,
                           summarize)
 from shared.api import GenerateRequest
 from shared.config import EngineConfig, engine_fields
@@ -195,7 +195,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if transport == "inprocess":
             runs += bench_inprocess(args, policy, requests, rates, goodput)
         elif args.launch:
-            from bench.targets import launch_serve
+            from loadtest.targets import launch_serve
 
             with launch_serve(engine_config(args, policy), args.threads) as (http_url, nats_url):
                 args.base_url, args.nats_url = http_url, nats_url
@@ -208,7 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def engine_config(args: argparse.Namespace, policy: str) -> EngineConfig:
     """The engine of one --policy item: the engine flags, the item's policy and max batch size, and
     --model or the demo model `orca serve` uses."""
-    from bench.targets import resolved_model
+    from loadtest.targets import resolved_model
 
     name, max_num_seqs = parse_policy(policy, args.max_num_seqs)
     return engine_config_from_args(args, BENCH_ENGINE_FIELDS, model=resolved_model(args.model), policy=name,
@@ -217,7 +217,7 @@ def engine_config(args: argparse.Namespace, policy: str) -> EngineConfig:
 
 def bench_inprocess(args, policy, requests, rates, goodput) -> list[dict]:
     """A fresh engine for every rate, so no run inherits another's state (KV layout, allocator)."""
-    from bench.targets import make_inprocess_target
+    from loadtest.targets import make_inprocess_target
 
     if args.threads:
         import torch
@@ -238,7 +238,7 @@ def bench_inprocess(args, policy, requests, rates, goodput) -> list[dict]:
 
 
 async def bench_streaming(args, transport, policy, requests, rates, goodput) -> list[dict]:
-    from bench.targets import HttpTarget, NatsTarget, warm_up_streaming
+    from loadtest.targets import HttpTarget, NatsTarget, warm_up_streaming
 
     served_name = None if args.launch else args.model  # a launched server serves --model under its own name
     target = NatsTarget(args.nats_url) if transport == "nats" else HttpTarget(args.base_url, served_name, args.api_key)
@@ -259,8 +259,8 @@ async def bench_streaming(args, transport, policy, requests, rates, goodput) -> 
 # ---- orca simulate ----------------------------------------------------------------------
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from bench.cost_models import make_cost_model
-    from bench.simulator import simulate
+    from loadtest.cost_models import make_cost_model
+    from loadtest.simulator import simulate
 
     cost_model = make_cost_model(args.cost_model, tp=args.tp, pp=args.pp)
     kv_cache_tokens = args.kv_cache_tokens or cost_model.default_kv_cache_tokens  # None: what fits beside the weights
@@ -302,7 +302,7 @@ def finish(args: argparse.Namespace, runs: list[dict], kind: str) -> int:
     if args.save_result:
         save(args, kind, runs, target, capacities, ratio_lines)
     if args.plot:
-        from bench.plot import plot_curves
+        from loadtest.plot import plot_curves
 
         title, subtitle = plot_titles(args, runs)
         items = {label: label.split(" (", 1)[0] for label in curves}  # 'static:8 (sim)' -> 'static:8'

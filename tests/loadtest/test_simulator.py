@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.arrivals import arrival_times
-from bench.cost_models import (ClusterCostModel, IterationShape, LinearCostModel, make_cost_model, partition)
-from bench.datasets import orca_paper_requests, random_requests
-from bench.report import summarize
-from bench.simulator import simulate
+from loadtest.arrivals import arrival_times
+from loadtest.cost_models import (ClusterCostModel, IterationShape, LinearCostModel, make_cost_model, partition)
+from loadtest.datasets import orca_paper_requests, random_requests
+from loadtest.report import summarize
+from loadtest.simulator import simulate
 from shared.config import SchedulerConfig
 
 ONE_SECOND = LinearCostModel("unit", a=1.0, b=0.0, c=0.0, d=0.0, max_model_len=1024)

@@ -3,7 +3,7 @@ one curve per scheduling policy, with each policy's capacity at a latency target
 
 from __future__ import annotations
 
-from bench.report import Capacity, capacity_ratio, orca_counterpart
+from loadtest.report import Capacity, capacity_ratio, orca_counterpart
 
 COLORS = {"orca": "tab:blue", "request-level": "tab:orange"}
 VARIANT_COLORS = {"orca": ("tab:cyan", "navy", "tab:purple"), "request-level": ("tab:red", "tab:brown", "gold")}

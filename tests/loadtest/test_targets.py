@@ -8,9 +8,9 @@ import json
 
 import httpx
 
-from bench.datasets import random_requests
-from bench.loadgen import drive_streaming
-from bench.targets import HttpTarget, NatsTarget
+from loadtest.datasets import random_requests
+from loadtest.loadgen import drive_streaming
+from loadtest.targets import HttpTarget, NatsTarget
 
 REQUESTS = random_requests(3, (4, 6), (2, 3), seed=0)
 

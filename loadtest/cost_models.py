@@ -10,7 +10,7 @@ the batch is one pipeline micro-batch (`pipelined=False`).
 
 Two models ship:
 - `this-machine`: this engine (in process, tiny demo model, this CPU), a linear model fitted
-  from timed iterations by `benchmarks/fit_cost_model.py` (coefficients in `bench/fitted.py`).
+  from timed iterations by `benchmarks/fit_cost_model.py` (coefficients in `loadtest/fitted.py`).
 - `gpt3-175b-a100-tp8pp2`: GPT-3 175B on 16 A100-40GB, tensor parallel 8 inside a node and
   pipeline parallel 2 across two nodes, as in the Orca paper's 175B experiment; derived from
   public figures (FLOPs, HBM bandwidth, NVLink and InfiniBand), see `ClusterCostModel`.
@@ -251,7 +251,7 @@ def make_cost_model(name: str, *, tp: int | None = None, pp: int | None = None) 
     if name == "this-machine":
         if (tp or 1) != 1 or (pp or 1) != 1:
             raise ValueError("the this-machine cost model was fitted on one CPU process: tp and pp must be 1")
-        from bench.fitted import THIS_MACHINE
+        from loadtest.fitted import THIS_MACHINE
 
         return LinearCostModel(name=name, **THIS_MACHINE)
     if name == "gpt3-175b-a100-tp8pp2":
