@@ -161,7 +161,9 @@ def resume_ids(request: GenerateRequest, vocab_size: int) -> list[int]:
 
 def prime(state: ActiveRequest, resumed: list[int]) -> None:
     """A request resumed by its client: the tokens it already has go through the detokenizer
-    unsent, so the text continues exactly where that client's stopped."""
-    if resumed:
-        state.detokenizer.add(resumed)
-        state.num_generated = len(resumed)
+    unsent, one at a time as the tokenizer that streamed them took them, so the text continues exactly
+    where that client's stopped (also when it stopped on a byte that no character completes yet: added
+    at once, such a tail held the whole text back, and the next token sent it all again)."""
+    for token in resumed:
+        state.detokenizer.add((token,))
+    state.num_generated = len(resumed)

@@ -29,3 +29,26 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(demo_model)
     cleaned = hf.decode(ids, skip_special_tokens=True)
     assert cleaned != hf.backend_tokenizer.decode(ids, skip_special_tokens=True)  # the clean-up matters here
     assert Tokenizer(hf).decode(ids) == hf.decode(ids, skip_special_tokens=True)
+
+
+def test_a_resumed_stream_continues_the_text_exactly_whatever_token_it_stopped_after(demo_model):
+    """The chaos test's greedy output: lone bytes (token 141, 'Í' without its continuation) that no
+    character completes, between whole words. A stream cut after any token and resumed elsewhere (its
+    tokens primed into a new detokenizer) must send exactly the rest of the text."""
+    from types import SimpleNamespace
+
+    from core.detokenize import IncrementalDetokenizer
+    from services.tokenizer.recovery import prime
+
+    tokenizer = load_tokenizer(demo_model)
+    tokens = [1337, 1337, 2504, 3356, 3356, 141, 141, 141, 3356, 3356, 141, 141, 3356, 2289, 2289]
+    whole = tokenizer.decode(tokens)
+    assert "\ufffd" in whole
+    for cut in range(len(tokens) + 1):
+        first = IncrementalDetokenizer(tokenizer.decode)
+        sent = "".join(first.add((t,)) for t in tokens[:cut])
+        resumed = SimpleNamespace(detokenizer=IncrementalDetokenizer(tokenizer.decode), num_generated=0)
+        prime(resumed, tokens[:cut])
+        rest = "".join(resumed.detokenizer.add((t,)) for t in tokens[cut:]) + resumed.detokenizer.flush()
+        assert sent + rest == whole, cut
+        assert resumed.num_generated == cut
