@@ -4,8 +4,9 @@ Each worker gets cores of its own (the last ones), and the control plane (nats-s
 gateway, tokenizer, admission, jobs and the engine masters) the rest: a worker's thread is then never
 preempted by the control plane, and the control plane never waits behind a worker's OpenMP team.
 vLLM's CPU build binds its OpenMP threads the same way and leaves a core to its API server.
-Measured on the 2-core VM (tiny Llama, `orca bench --transport http`, rate inf, two runs each,
-alternating): 2,433 and 2,669 out tok/s unbound against 2,784 and 2,962 bound.
+Measured on the 2-core VM (tiny Llama, rate inf, two runs each): `vllm bench serve` gave 2,056 and 2,011
+out tok/s unbound against 2,258 and 2,342 bound; `orca bench --transport http`, with the load generator on
+the control plane's core, 2,433 and 2,669 against 2,784 and 2,962.
 """
 
 from __future__ import annotations
