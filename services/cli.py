@@ -62,10 +62,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.serve import resolve_model, serve
 
     setup_logging(args.log_level)
+    settings = flags.serve_config_from_args(args)  # a bad value stops here, before anything starts
     resolve_model(args)
     config = engine_config_from_args(args)
     check_chat_template(config)
-    return serve(args, config)
+    return serve(args, config, settings)
 
 
 def check_chat_template(config: EngineConfig) -> None:

@@ -3,31 +3,31 @@
     serveConfigV2:
       applications:
         - import_path: services.rayservice:app
-          args: {nats_url: ..., engine_replicas: 1, engine_args: ["--model", "/models/...", ...]}
+          args: {nats_url: ..., engine_replicas: 1, engine_args: ["--model", "/models/...", "--worker-threads", "4"]}
 
 Two deployments. `orca-engine`: each replica owns one engine replica, an engine master actor that
 starts its workers as Ray actors (the Orca loop talks to the rest over NATS, as everywhere else);
 Serve restarts a replica whose master stopped, and its workers go with it. `orca-gateway`: the
 OpenAI-compatible HTTP gateway, the ingress (autoscaled on ongoing requests). `engine_args` are the
-flags of `orca serve` / `python -m services.engine`, parsed by the same parser, so ORCA_<FIELD>
-variables work here too. Each deployment connects to NATS as its own user (ORCA_NATS_USER in its
+flags of `python -m services.engine` (the engine's and its launch settings: --worker-threads,
+--worker-cpus, --step-timeout, ...), parsed by its parser, so ORCA_<FIELD> variables work here too. Each deployment connects to NATS as its own user (ORCA_NATS_USER in its
 runtime env; the pod holds ORCA_NATS_<USER>_PASSWORD: shared/env.py).
 """
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import msgspec
 from ray import serve
 
-from services.cli import add_engine_args, engine_config_from_args
-from services.engine.launch import WorkerLaunch, launch_master
+from services.cli import engine_config_from_args
+from services.engine.launch import WorkerLaunch, launch_master, replica_parser
 from services.gateway.app import RayGateway
 from services.gateway.state import GatewaySettings
 from shared import env
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ServeConfig
+from shared.flags import serve_config_from_args
 
 ENGINE_DEPLOYMENT = "orca-engine"
 GATEWAY_DEPLOYMENT = "orca-gateway"
@@ -37,25 +37,19 @@ class AppArgs(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nats_url: str
     """NATS inside the cluster, e.g. nats://nats:4222 (credentials come from the environment)."""
     engine_args: list[str]
-    """`orca serve` engine flags; `--model` names a checkpoint directory present on every Ray pod."""
+    """`python -m services.engine` flags: the engine's (`--model` names a checkpoint directory present on
+    every Ray pod) and its launch settings (`--worker-threads`, `--worker-cpus`, `--step-timeout`)."""
     engine_replicas: int = 1
-    """Engine replicas (model copies); each asks Ray for its workers' CPUs on the GPU nodes."""
-    worker_threads: int | None = None
-    step_timeout_s: float = 120.0
-    """A worker with no step result within this long is taken for hung (`orca serve --step-timeout`)."""
-    worker_cpus: float = 1.0
-    """CPUs each engine worker asks Ray for (`orca serve --worker-cpus`)."""
+    """Engine replicas (model copies): Serve's replicas of the engine deployment."""
     served_model_name: str | None = None
 
 
 class EngineReplica:
     """One engine replica: its master runs as a child actor (fate-shared with this replica)."""
 
-    def __init__(self, config: EngineConfig, nats_url: str, args: AppArgs) -> None:
+    def __init__(self, config: EngineConfig, nats_url: str, settings: ServeConfig) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
-        launch = WorkerLaunch(step_timeout_s=args.step_timeout_s, worker_cpus=args.worker_cpus,
-                              worker_threads=args.worker_threads)
-        self.master = launch_master(config, nats_url, self.replica, launch, restarted_by_ray=False)
+        self.master = launch_master(config, nats_url, self.replica, WorkerLaunch.of(settings), restarted_by_ray=False)
         self.running = self.master.run.remote()
 
     def check_health(self) -> None:
@@ -76,21 +70,20 @@ class Gateway(RayGateway):
         self.engines = engines
 
 
-def engine_config(engine_args: list[str]) -> EngineConfig:
-    """The flags parsed exactly as `python -m services.engine` parses them."""
-    parser = argparse.ArgumentParser(prog="engine_args")
-    add_engine_args(parser)
+def engine_config(engine_args: list[str]) -> tuple[EngineConfig, ServeConfig]:
+    """The flags parsed exactly as `python -m services.engine` parses them: the engine's config and
+    the replica's launch settings."""
     try:
-        args = parser.parse_args(engine_args)
+        args = replica_parser("engine_args").parse_args(engine_args)
     except SystemExit:  # argparse has printed why; the Serve controller needs an exception
         raise ValueError(f"bad engine_args {engine_args}") from None
-    return engine_config_from_args(args)
+    return engine_config_from_args(args), serve_config_from_args(args)
 
 
 def app(args: dict[str, Any]) -> serve.Application:
     """The application builder named by serveConfigV2's import_path."""
     parsed = msgspec.convert(args, AppArgs)
-    config = engine_config(parsed.engine_args)
+    config, settings = engine_config(parsed.engine_args)
     engines = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT, num_replicas=parsed.engine_replicas,
                                ray_actor_options={"num_cpus": 0,
                                                   "runtime_env": {"env_vars": {"ORCA_NATS_USER": "engine"}}})
@@ -101,4 +94,4 @@ def app(args: dict[str, Any]) -> serve.Application:
     settings = GatewaySettings(nats_url=parsed.nats_url, model=config.model.model,
                                served_model_name=parsed.served_model_name, api_key=env.api_key(),
                                chat_template=config.model.chat_template)
-    return gateway.bind(settings, engines.bind(config, parsed.nats_url, parsed))
+    return gateway.bind(settings, engines.bind(config, parsed.nats_url, settings))

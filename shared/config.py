@@ -155,13 +155,54 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     parallel: ParallelConfig = ParallelConfig()
 
 
+class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the engines and services are run, as opposed to what the engine computes: taken by every
+    launcher (`orca serve`, `python -m services.<name>`, the RayService builder), each with the flags of
+    the fields it uses (shared/flags.py `add_serve_flags`), so each setting is declared here once."""
+
+    replicas: Annotated[int, Flag("engine replicas (each with its own workers)")] = 1
+    """Engine replicas, each a master with its tp x pp workers; admission routes across them."""
+    worker_threads: Annotated[int | None, Flag(
+        "torch threads per worker (default: the cores less one, shared by the workers)")] = None
+    """Torch threads per worker; None: `orca serve` gives the workers the cores less one (the control
+    plane's), the other launchers leave torch's default."""
+    worker_cpus: Annotated[float, Flag("Ray CPUs reserved per worker (tp x pp workers per replica; fractions allowed)")] = 1.0
+    """Ray CPUs each worker reserves (placement only: threads are `worker_threads`)."""
+    step_timeout: Annotated[float, Flag(
+        "an engine iteration with no result within this many seconds counts as a dead worker")] = 120.0
+    """Seconds an iteration may take before its worker counts as dead (restarted; its requests resume)."""
+    hang_timeout: Annotated[float, Flag(
+        "a service process or engine master that shows no sign of life this many seconds is killed and "
+        "restarted")] = 10.0
+    """Seconds a supervised process (service or engine master) may stay silent before it is killed and restarted."""
+    drain_timeout: Annotated[float, Flag(
+        "on SIGTERM, seconds to let requests in flight finish before ending them with an error")] = 30.0
+    """On SIGTERM, how long the tokenizer and jobs services let requests in flight finish."""
+    max_queue_len: Annotated[int, Flag("admission queue bound (requests waiting beyond it are refused)")] = 1024
+    """Requests admission holds waiting; one more is refused at once (HTTP 429 with Retry-After)."""
+    startup_timeout: Annotated[float, Flag("seconds `orca serve` waits for its engines and tokenizer")] = 300.0
+    """How long `orca serve` waits for every engine to be ready and a tokenizer to answer."""
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "max_queue_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.worker_threads is not None and self.worker_threads < 1:
+            raise ValueError(f"worker_threads={self.worker_threads} must be >= 1")
+        for name in ("worker_cpus", "step_timeout", "hang_timeout", "startup_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout={self.drain_timeout} must be >= 0")
+
+
 @dataclass(frozen=True)
-class EngineField:
-    """One field of one section of EngineConfig, with its flag: what shared/flags.py and
-    shared/env.py derive the command line and the ORCA_ variables from."""
+class ConfigField:
+    """One field of a config struct with its flag: what shared/flags.py and shared/env.py derive the
+    command line and the ORCA_ variables from."""
 
     section: str
-    """EngineConfig's attribute holding the field: model, scheduler, cache or parallel."""
+    """Where the field lives: EngineConfig's attribute (model, scheduler, cache or parallel), or `serve`."""
     name: str
     type: Any
     """The annotation without its Flag: int, str, `int | None`, ..."""
@@ -179,15 +220,24 @@ class EngineField:
         return self.option_strings[-1].removeprefix("--").replace("-", "_")
 
 
-def engine_fields() -> list[EngineField]:
-    """Every field of every section of EngineConfig, in declaration order (field names are unique
-    across sections, so one flag and one variable each). A field without a Flag is a TypeError."""
+def struct_fields(struct: type[msgspec.Struct], section: str) -> list[ConfigField]:
+    """The fields of one config struct, in declaration order; a field without a Flag is a TypeError."""
     out = []
-    for section in msgspec.structs.fields(EngineConfig):
-        for f in msgspec.structs.fields(section.type):
-            base, *meta = typing.get_args(f.type) if typing.get_origin(f.type) is Annotated else (f.type,)
-            flags = [m for m in meta if isinstance(m, Flag)]
-            if len(flags) != 1:
-                raise TypeError(f"{section.type.__name__}.{f.name} must be annotated with one Flag")
-            out.append(EngineField(section.name, f.name, base, f.default, flags[0]))
+    for f in msgspec.structs.fields(struct):
+        base, *meta = typing.get_args(f.type) if typing.get_origin(f.type) is Annotated else (f.type,)
+        flags = [m for m in meta if isinstance(m, Flag)]
+        if len(flags) != 1:
+            raise TypeError(f"{struct.__name__}.{f.name} must be annotated with one Flag")
+        out.append(ConfigField(section, f.name, base, f.default, flags[0]))
     return out
+
+
+def engine_fields() -> list[ConfigField]:
+    """Every field of every section of EngineConfig, in declaration order (field names are unique
+    across sections, so one flag and one variable each)."""
+    return [f for section in msgspec.structs.fields(EngineConfig) for f in struct_fields(section.type, section.name)]
+
+
+def serve_fields() -> list[ConfigField]:
+    """Every field of ServeConfig, in declaration order (no name shared with an engine field)."""
+    return struct_fields(ServeConfig, "serve")

@@ -7,7 +7,10 @@ they are not the field's own). From that, the field's type and its default, this
   defaults (shared/env.py), for `orca generate`, `orca serve`, `orca bench`, `orca simulate`, the
   engine service and the benchmark scripts alike;
 - `engine_config_from_args(args)`: the EngineConfig a parse describes (`section_from_args`: one section);
-- `engine_argv(config)`: the reverse, the flags that make a launched `orca serve` take that config.
+- `engine_argv(config)`: the reverse, the flags that make a launched `orca serve` take that config;
+- `add_serve_flags(parser, fields)` and `serve_config_from_args(args)`: the same for ServeConfig, how
+  engines and services are run (replicas, timeouts, worker threads, queue bound), each launcher taking
+  the flags of the fields it uses.
 
 The type decides the flag: int, float and str take a value; `X | None` takes an X and defaults to
 None; a bool that defaults to False is a switch (store_true); any other bool (True, or `bool | None`)
@@ -26,13 +29,13 @@ from typing import Any
 import msgspec
 
 from shared import env
-from shared.config import EngineConfig, EngineField, engine_fields
+from shared.config import ConfigField, EngineConfig, ServeConfig, engine_fields, serve_fields
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {f.name: f.type for f in msgspec.structs.fields(EngineConfig)}
 """EngineConfig's sections by attribute: model -> ModelConfig, scheduler -> SchedulerConfig, ..."""
 
 
-def selected(names: Iterable[str] | None = None) -> list[EngineField]:
+def selected(names: Iterable[str] | None = None) -> list[ConfigField]:
     """The fields named (all when None), in declaration order; an unknown name is a ValueError."""
     every = engine_fields()
     if names is None:
@@ -44,7 +47,7 @@ def selected(names: Iterable[str] | None = None) -> list[EngineField]:
     return [f for f in every if f.name in names]
 
 
-def value_type(f: EngineField) -> type:
+def value_type(f: ConfigField) -> type:
     """int for `int` and for `int | None`; a type argparse cannot parse is a TypeError."""
     if typing.get_origin(f.type) not in (None, typing.Union, types.UnionType):
         raise TypeError(f"{f.section}.{f.name}: no flag for a {f.type}")
@@ -54,7 +57,7 @@ def value_type(f: EngineField) -> type:
     return kinds[0]
 
 
-def is_switch(f: EngineField) -> bool:
+def is_switch(f: ConfigField) -> bool:
     """A plain bool that defaults to False: `--enable-x`, with no `--no-enable-x`."""
     return f.type is bool and f.default is False
 
@@ -66,7 +69,11 @@ def add_flags(container: argparse.ArgumentParser | argparse._ArgumentGroup, fiel
     where they differ from the declaration's (a default for the model, None, makes --model optional)."""
     defaults, helps = defaults or {}, helps or {}
     selected([*defaults, *helps])  # a misspelt field is an error, not a silently unused default
-    chosen = selected(fields)
+    return _add_field_flags(container, selected(fields), defaults, helps)
+
+
+def _add_field_flags(container: argparse.ArgumentParser | argparse._ArgumentGroup, chosen: list[ConfigField],
+                     defaults: Mapping[str, Any], helps: Mapping[str, str]) -> list[str]:
     for f in chosen:
         default = defaults.get(f.name, f.default)
         kwargs: dict[str, Any] = {"help": helps.get(f.name, f.flag.help)}
@@ -131,3 +138,20 @@ def engine_argv(config: EngineConfig, environ: Mapping[str, str] | None = None) 
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def add_serve_flags(container: argparse.ArgumentParser | argparse._ArgumentGroup,
+                    fields: Iterable[str] | None = None) -> None:
+    """The flags of ServeConfig's `fields` (all when None): each launcher adds those it uses."""
+    every = serve_fields()
+    names = [f.name for f in every] if fields is None else list(fields)
+    unknown = set(names) - {f.name for f in every}
+    if unknown:
+        raise ValueError(f"no serve config field {sorted(unknown)}")
+    _add_field_flags(container, [f for f in every if f.name in names], {}, {})
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of a parse of `add_serve_flags`' flags: the fields the parser had, the rest
+    their defaults. ServeConfig checks the values (ValueError)."""
+    return ServeConfig(**{f.name: getattr(args, f.dest) for f in serve_fields() if hasattr(args, f.dest)})

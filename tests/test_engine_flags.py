@@ -17,7 +17,7 @@ import pytest
 from loadtest.cli import BENCH_ENGINE_FIELDS, SIM_ENGINE_FIELDS, engine_config as bench_engine_config
 from services.cli import build_parser, engine_config_from_args
 from shared import env, flags
-from shared.config import SCHEDULER_POLICIES, EngineConfig, EngineField, Flag, ModelConfig, engine_fields
+from shared.config import SCHEDULER_POLICIES, EngineConfig, ConfigField, Flag, ModelConfig, engine_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 TODAYS_FLAGS = {"--model", "--dtype", "--device", "--max-model-len", "--seed", "--kernel-backend", "--enforce-eager",
@@ -36,7 +36,7 @@ def no_engine_variables(monkeypatch):
         monkeypatch.delenv(var.name, raising=False)
 
 
-def other_value(f: EngineField, rng: random.Random):
+def other_value(f: ConfigField, rng: random.Random):
     """A value of the field's type, not its default, that its section accepts."""
     kind = flags.value_type(f)
     if f.flag.choices:
@@ -57,7 +57,7 @@ def random_config(rng: random.Random) -> EngineConfig:
     return flags.engine_config_from_args(argparse.Namespace(), **values)
 
 
-def value_of(config: EngineConfig, f: EngineField):
+def value_of(config: EngineConfig, f: ConfigField):
     return getattr(getattr(config, f.section), f.name)
 
 
@@ -136,7 +136,7 @@ def test_a_new_setting_reaches_every_entry_point_from_its_one_declaration(via, m
 
 def test_a_field_type_without_a_flag_shape_is_refused():
     with pytest.raises(TypeError, match="no flag"):
-        flags.value_type(EngineField("cache", "sizes", list[int], msgspec.NODEFAULT, Flag("sizes")))
+        flags.value_type(ConfigField("cache", "sizes", list[int], msgspec.NODEFAULT, Flag("sizes")))
     with pytest.raises(ValueError, match="no engine config field"):
         flags.selected(["max_num_seq"])
 

@@ -9,6 +9,7 @@ from services import liveness
 from services.bus import run_service
 from services.logs import setup_logging
 from services.service_args import add_service_args, run_event_loop
+from shared.flags import add_serve_flags
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -24,7 +25,7 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m services.admission")
     add_service_args(parser)
-    parser.add_argument("--max-queue-len", type=int, default=1024, help="requests waiting beyond this are refused")
+    add_serve_flags(parser, ["max_queue_len"])
     parser.add_argument("--no-engine-timeout", type=float, default=60.0,
                         help="queued requests end with an error once no engine has been alive for this many seconds")
     args = parser.parse_args()

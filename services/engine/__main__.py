@@ -7,36 +7,28 @@ restarted (services/engine/launch.py).
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
-from services.cli import add_engine_args, engine_config_from_args
+from services.cli import engine_config_from_args
+from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master, replica_parser
 from services.logs import setup_logging
-from services.service_args import add_service_args
+from shared.flags import serve_config_from_args
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.engine")
-    add_engine_args(parser)
-    add_service_args(parser, alive_file="every half second while supervising")
-    parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
-    parser.add_argument("--replica", default="0", help="this replica's name (unique per engine)")
-    parser.add_argument("--worker-threads", type=int, default=None)
-    parser.add_argument("--step-timeout", type=float, default=120.0,
-                        help="an iteration with no result within this many seconds counts as a dead worker")
-    parser.add_argument("--worker-cpus", type=float, default=1.0, help="Ray CPUs reserved per worker")
-    parser.add_argument("--hang-timeout", type=float, default=10.0,
-                        help="a master that answers nothing this many seconds is killed and restarted")
+    parser = replica_parser("python -m services.engine")
     args = parser.parse_args()
     setup_logging(args.log_level)
+    try:
+        settings = serve_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     import ray
-
-    from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master
 
     config = engine_config_from_args(args)
     os.environ.setdefault("RAY_worker_niceness", "0")  # see services/serve.py
@@ -44,10 +36,8 @@ def main() -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
-    launch = WorkerLaunch(step_timeout_s=args.step_timeout, worker_cpus=args.worker_cpus,
-                          worker_threads=args.worker_threads)
-    master = launch_master(config, args.nats_url, args.replica, launch)
-    supervisor = MasterSupervisor(args.replica, master, hang_timeout_s=args.hang_timeout).start(time.monotonic())
+    master = launch_master(config, args.nats_url, args.replica, WorkerLaunch.of(settings))
+    supervisor = MasterSupervisor(args.replica, master, hang_timeout_s=settings.hang_timeout).start(time.monotonic())
     print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
     alive = Path(args.alive_file) if args.alive_file else None
     while not stop["now"]:

@@ -10,6 +10,7 @@ restart. Meanwhile the rest of the system has already counted it gone from its s
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ServeConfig
 
 log = logging.getLogger("orca.engine")
 START_GRACE_S = 60.0
@@ -42,8 +43,36 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     worker_cores: tuple[tuple[int, ...], ...] | None = None
     """Cores each worker (by rank) runs on alone (services/cpu_binding.py); None: not bound."""
 
+    @classmethod
+    def of(cls, settings: ServeConfig, worker_threads: int | None = None,
+           worker_cores: tuple[tuple[int, ...], ...] | None = None) -> WorkerLaunch:
+        """The workers' part of a launcher's ServeConfig; `worker_threads` where the launcher chose
+        them (`orca serve` counts cores), and the cores it bound them to."""
+        return cls(step_timeout_s=settings.step_timeout, worker_cpus=settings.worker_cpus,
+                   worker_threads=worker_threads or settings.worker_threads, worker_cores=worker_cores)
+
     def cores_of(self, rank: int) -> tuple[int, ...] | None:
         return self.worker_cores[rank] if self.worker_cores else None
+
+
+REPLICA_SETTINGS = ("worker_threads", "worker_cpus", "step_timeout", "hang_timeout")
+"""The ServeConfig fields one engine replica takes (shared/config.py)."""
+
+
+def replica_parser(prog: str) -> argparse.ArgumentParser:
+    """The flags of one engine replica: the engine's, and the ServeConfig fields it uses. `python -m
+    services.engine` parses its command line with it, the RayService builder its `engine_args`."""
+    from services.cli import add_engine_args
+    from services.service_args import add_service_args
+    from shared.flags import add_serve_flags
+
+    parser = argparse.ArgumentParser(prog=prog)
+    add_engine_args(parser)
+    add_service_args(parser, alive_file="every half second while supervising")
+    parser.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
+    parser.add_argument("--replica", default="0", help="this replica's name (unique per engine)")
+    add_serve_flags(parser.add_argument_group("launch"), REPLICA_SETTINGS)
+    return parser
 
 
 def launch_master(config: EngineConfig, nats_url: str, replica: str, launch: WorkerLaunch, *,

@@ -10,6 +10,7 @@ from services.jobs.service import JobsService, stream_configs
 from services.logs import setup_logging
 from services.service_args import add_service_args, run_event_loop
 from shared import env
+from shared.flags import add_serve_flags
 
 REPLICAS_ENV = "ORCA_JETSTREAM_REPLICAS"
 """The default of --jetstream-replicas (compose and Kubernetes set it to 3 for their NATS clusters)."""
@@ -32,8 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jetstream-replicas", default=env.jetstream_replicas() or "1",
                         help="copies of the jobs streams: 3 on a NATS cluster of three servers or more, 1 on a "
                              f"single server (default: {REPLICAS_ENV}, else 1)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to let jobs in progress finish (the rest are redelivered later)")
+    add_serve_flags(parser, ["drain_timeout"])
     args = parser.parse_args(argv)
     try:
         args.jetstream_replicas = int(args.jetstream_replicas)

@@ -17,6 +17,7 @@ from services.logs import setup_logging
 from services.service_args import add_service_args, run_event_loop
 from services.tokenizer.service import TokenizerService
 from shared import env
+from shared.flags import add_serve_flags
 
 log = logging.getLogger("orca.tokenizer")
 
@@ -67,8 +68,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m services.tokenizer")
     add_service_args(parser)
     parser.add_argument("--model", required=True)
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="on SIGTERM, seconds to let requests in flight finish before ending them with an error")
+    add_serve_flags(parser, ["drain_timeout"])
     parser.add_argument("--drained-fd", type=int, default=None,
                         help="(for a supervisor) after the drain write a line to this file descriptor and keep "
                              "refusing new requests until a second SIGTERM; without it, exit once drained")

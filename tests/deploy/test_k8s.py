@@ -14,6 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from shared.config import ServeConfig
+
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30.0"
@@ -272,7 +274,10 @@ def test_serve_application_builds_from_its_import_path_and_args():
     assert isinstance(built, Application)
     configured = {d["name"] for d in application["deployments"]}
     assert configured <= {rayservice.ENGINE_DEPLOYMENT, rayservice.GATEWAY_DEPLOYMENT}
-    config = rayservice.engine_config(application["args"]["engine_args"])
+    config, settings = rayservice.engine_config(application["args"]["engine_args"])
     assert config.model.device == "cuda" and config.model.model == "/models/demo-llama-tiny"
+    assert settings.worker_threads == 4 and settings.step_timeout == ServeConfig().step_timeout
     with pytest.raises(ValueError, match="engine_args"):
         rayservice.engine_config(["--no-such-flag"])
+    with pytest.raises(ValueError, match="step_timeout"):
+        rayservice.engine_config(["--model", "/m", "--step-timeout", "0"])

@@ -15,6 +15,7 @@ from engine.tokenizer import Tokenizer, load_chat_template, load_tokenizer, rend
 from services.cli import build_parser, engine_config_from_args
 from shared.api import decode_generate_request
 from shared.config import ModelConfig
+from shared.flags import serve_config_from_args
 from shared.tools import template_messages
 
 OWN = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -162,7 +163,7 @@ def test_orca_serve_passes_the_template_to_the_tokenizer_and_the_gateway(tmp_pat
     monkeypatch.setattr(serve, "SupervisedProcess", Recorder)
     parsed = build_parser().parse_args(["serve", "--model", str(tmp_path), "--chat-template", OWN])
     config = engine_config_from_args(parsed)
-    serve.start_services(parsed, "nats://x", config, tmp_path)
+    serve.start_services(serve_config_from_args(parsed), "nats://x", config, tmp_path)
     tokenizer = started["tokenizer"]
     assert tokenizer[tokenizer.index("--chat-template") + 1] == OWN
     assert tokenizer[tokenizer.index("--model") + 1] == str(tmp_path)
