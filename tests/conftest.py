@@ -37,3 +37,28 @@ def nats_url() -> Iterator[str]:
     server = LocalNatsServer().start()
     yield server.url
     server.cleanup()
+
+
+def xdist_group_of(item: pytest.Item) -> str:
+    """The pytest-xdist group a test runs in (`make test` runs two workers, `--dist loadgroup`): the
+    tests that share a session's `orca serve` in one group each (the reliability stack, which its drain
+    test stops last; the gateway stack), tests/deploy whole (its NATS clusters elect JetStream leaders,
+    slow enough under load without a second cluster starting beside them), every other module whole,
+    so that a module's own stack starts once."""
+    path = item.path.relative_to(ROOT).as_posix()
+    fixtures = getattr(item, "fixturenames", ())
+    if path.startswith("tests/reliability/") and "stack" in fixtures:
+        return "reliability"
+    if "gateway" in fixtures:
+        return "gateway"
+    if path.startswith("tests/deploy/"):
+        return "deploy"
+    return path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group every test (above), and put the reliability stack's group first: it is the longest
+    (about 6 minutes), so one worker starts it at once while the other takes everything else."""
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+    items.sort(key=lambda item: xdist_group_of(item) != "reliability")

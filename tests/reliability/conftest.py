@@ -1,7 +1,7 @@
 """One `orca serve` for all the reliability tests (starting one costs tens of seconds): a real
 nats-server the tests kill and restart, a real local Ray, the Ray Serve gateway, one engine
 replica with a short step timeout, and the test-only fault injection file (ORCA_TEST_FAULT_FILE).
-The drain test stops it, so it runs last."""
+The drain test stops it, so it runs last; it lives as long as tests/reliability runs (package scope)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Stack:
         return self.serve.http_url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def stack(demo_model, tmp_path_factory) -> Stack:
     base = tmp_path_factory.mktemp("reliability")
     (base / "nats").mkdir()
