@@ -88,9 +88,13 @@ class LinearCostModel:
 
     name: str
     a: float
+    """Seconds per iteration whatever it holds (launch, scheduling, sampling)."""
     b: float
+    """Seconds per prefill token (the token-wise ops)."""
     c: float
+    """Seconds per decode token."""
     d: float
+    """Seconds per token of context a decode reads (attention over its KV)."""
     e: float = 0.0
     max_model_len: int = 1024
     default_kv_cache_tokens: int = 65536

@@ -101,13 +101,20 @@ def decode_generate_request(data: bytes | str) -> GenerateRequest:
 
 
 class Usage(msgspec.Struct, frozen=True):
+    """A finished request's token counts, as OpenAI's `usage` gives them."""
+
     prompt_tokens: int
+    """Tokens of the prompt (the rendered chat for messages)."""
     completion_tokens: int
+    """Tokens generated, the final one included."""
 
 
 class TopLogprob(msgspec.Struct, frozen=True):
+    """One of the most likely tokens at a position, with its log-probability."""
+
     token_id: int
     logprob: float
+    """Natural log, of the model's raw distribution (before penalties and temperature, as vLLM's default)."""
 
 
 class EventLogprob(msgspec.Struct, frozen=True):

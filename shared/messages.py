@@ -163,15 +163,20 @@ class WorkerReady(msgspec.Struct, frozen=True):
     """worker -> engine master when it has loaded its shard (also after a restart)."""
 
     rank: int
+    """The worker's global rank (stage-major: pp_rank * tp + tp_rank)."""
     incarnation: str
+    """New for each process: a restarted worker's ready is told apart from its predecessor's."""
 
 
 class AdmissionStatus(msgspec.Struct, frozen=True):
     """admission -> anyone (gateways shed load with it): the global queue's length and bound."""
 
     queue_len: int
+    """Requests waiting in the global queue."""
     max_queue_len: int
+    """Its bound: at `queue_len >= max_queue_len` new requests are refused at once."""
     num_engines_ready: int
+    """Engine replicas admission heard a ready status from in the last STATUS_EXPIRY_S."""
     incarnation: str = ""
     """Changes when admission restarts: tokenizers then resubmit what they had queued with it."""
 

@@ -53,7 +53,10 @@ class FunctionCall(msgspec.Struct, frozen=True):
 
 
 class ToolCall(msgspec.Struct, frozen=True):
+    """A call the model made, as OpenAI returns it in `message.tool_calls`."""
+
     id: str
+    """`call_<random>`: the client answers the call with a `tool` message of this id."""
     function: FunctionCall
     type: str = "function"
 
