@@ -32,14 +32,14 @@ generate: setup $(DEMO_MODEL)/config.json
 	@cat out/generations.jsonl
 
 # Two pytest-xdist workers: the end-to-end stacks wait on each other's processes about half the time
-# (tests/conftest.py groups the tests that share a stack, and starts the longest group first).
+# (tests/conftest.py schedules whole groups: the tests that share a stack, then each module; the longest first).
 PYTEST_WORKERS ?= 2
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=40
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder --durations=40
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m 'not slow'
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not slow'
 
 bench: setup $(DEMO_MODEL)/config.json
 	LD_PRELOAD=$(TCMALLOC) $(BIN)/python benchmarks/engine_throughput.py --model $(DEMO_MODEL)

@@ -39,26 +39,35 @@ def nats_url() -> Iterator[str]:
     server.cleanup()
 
 
-def xdist_group_of(item: pytest.Item) -> str:
-    """The pytest-xdist group a test runs in (`make test` runs two workers, `--dist loadgroup`): the
-    tests that share a session's `orca serve` in one group each (the reliability stack, which its drain
-    test stops last; the gateway stack), tests/deploy whole (its NATS clusters elect JetStream leaders,
-    slow enough under load without a second cluster starting beside them), every other module whole,
-    so that a module's own stack starts once."""
-    path = item.path.relative_to(ROOT).as_posix()
-    fixtures = getattr(item, "fixturenames", ())
-    if path.startswith("tests/reliability/") and "stack" in fixtures:
-        return "reliability"
-    if "gateway" in fixtures:
-        return "gateway"
-    if path.startswith("tests/deploy/"):
-        return "deploy"
-    return path
+STACK_GROUPS = ("tests/reliability/", "tests/gateway/", "tests/deploy/")
+"""Folders whose tests run in one pytest-xdist worker each, in this order, before everything else:
+tests/reliability shares one `orca serve` (its drain test stops it, last) and is the longest group
+(about 7 minutes), so one worker starts it at once while the other takes the rest; tests/gateway
+shares another stack; tests/deploy starts NATS clusters whose JetStream leader elections are slow
+enough under load without a second cluster electing beside them."""
 
 
+def group_of(nodeid: str) -> str:
+    """The group of a test id: one of STACK_GROUPS, or its module (a module's own stack starts once)."""
+    path = nodeid.split("::", 1)[0]
+    return next((folder for folder in STACK_GROUPS if path.startswith(folder)), path)
+
+
+@pytest.hookimpl(trylast=True)  # after tests/reliability's, which puts its drain test last
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group every test (above), and put the reliability stack's group first: it is the longest
-    (about 6 minutes), so one worker starts it at once while the other takes everything else."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
-    items.sort(key=lambda item: xdist_group_of(item) != "reliability")
+    """The stack groups first, in STACK_GROUPS' order; the rest as collected."""
+    rank = {folder: i for i, folder in enumerate(STACK_GROUPS)}
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(STACK_GROUPS)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`make test`'s two workers (-n 2) take whole groups (`group_of`), in collection order.
+    pytest-xdist's own --dist loadgroup reads its groups into test ids that pytest 9 no longer uses."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return GroupScheduling(config, log)
