@@ -39,25 +39,41 @@ def nats_url() -> Iterator[str]:
     server.cleanup()
 
 
-STACK_GROUPS = ("tests/reliability/", "tests/gateway/", "tests/deploy/")
-"""Folders whose tests run in one pytest-xdist worker each, in this order, before everything else:
-tests/reliability shares one `orca serve` (its drain test stops it, last) and is the longest group
-(about 7 minutes), so one worker starts it at once while the other takes the rest; tests/gateway
-shares another stack; tests/deploy starts NATS clusters whose JetStream leader elections are slow
-enough under load without a second cluster electing beside them."""
+GROUPS: dict[str, tuple[str, ...]] = {
+    "reliability stack": tuple(f"tests/reliability/test_{name}.py" for name in (
+        "broker_restart", "chaos", "engine_fault", "jobs_consumer_crash", "soak", "watchdog", "drain")),
+    "gateway": ("tests/gateway/",),
+    "deploy": ("tests/deploy/",),
+}
+"""Tests that must run in one pytest-xdist worker, by the path their ids start with: the modules on
+tests/reliability's shared `orca serve` (its drain test stops it, last); tests/gateway, on another
+shared stack; tests/deploy, whose NATS clusters elect JetStream leaders slowly enough under load
+without a second cluster electing beside them. Every other module is a group of its own (a module's
+own stack starts once)."""
+LONGEST_FIRST = ("reliability stack", "gateway", "tests/reliability/test_nats_cluster.py",
+                 "tests/parallel/test_parallel_serve.py", "tests/observability/test_end_to_end.py", "deploy",
+                 "tests/parallel/test_parallel_serve_gpt2.py", "tests/services/test_pipeline.py",
+                 "tests/model/test_hf_equivalence.py")
+"""The groups that take longest (each starts a stack, or compiles), handed out first so that no worker
+is left with a long one at the end; the rest follow as collected."""
 
 
 def group_of(nodeid: str) -> str:
-    """The group of a test id: one of STACK_GROUPS, or its module (a module's own stack starts once)."""
+    """The group of a test id: a name of GROUPS, or its module."""
     path = nodeid.split("::", 1)[0]
-    return next((folder for folder in STACK_GROUPS if path.startswith(folder)), path)
+    return next((name for name, prefixes in GROUPS.items() if path.startswith(prefixes)), path)
 
 
 @pytest.hookimpl(trylast=True)  # after tests/reliability's, which puts its drain test last
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The stack groups first, in STACK_GROUPS' order; the rest as collected."""
-    rank = {folder: i for i, folder in enumerate(STACK_GROUPS)}
-    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(STACK_GROUPS)))
+    """The longest groups first; and no test on a shared stack outside that stack's group."""
+    for item in items:
+        if "stack" in item.fixturenames and item.nodeid.startswith("tests/reliability/") \
+                and group_of(item.nodeid) != "reliability stack":
+            raise pytest.UsageError(f"{item.nodeid} uses the reliability stack: add its module to "
+                                    f"GROUPS['reliability stack'] in tests/conftest.py")
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(LONGEST_FIRST)))
 
 
 @pytest.hookimpl(tryfirst=True)
