@@ -10,8 +10,9 @@ starts its workers as Ray actors (the Orca loop talks to the rest over NATS, as 
 Serve restarts a replica whose master stopped, and its workers go with it. `orca-gateway`: the
 OpenAI-compatible HTTP gateway, the ingress (autoscaled on ongoing requests). `engine_args` are the
 flags of `python -m services.engine` (the engine's and its launch settings: --worker-threads,
---worker-cpus, --step-timeout, ...), parsed by its parser, so ORCA_<FIELD> variables work here too. Each deployment connects to NATS as its own user (ORCA_NATS_USER in its
-runtime env; the pod holds ORCA_NATS_<USER>_PASSWORD: shared/env.py).
+--worker-cpus, --step-timeout, ...), parsed by its parser, so ORCA_<FIELD> variables work here too.
+Each deployment connects to NATS as its own user (ORCA_NATS_USER in its runtime env; the pod holds
+ORCA_NATS_<USER>_PASSWORD: shared/env.py).
 """
 
 from __future__ import annotations

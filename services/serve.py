@@ -32,7 +32,8 @@ from services.cpu_binding import CpuLayout, available_cpus, bind_this_process, c
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
 from shared.codec import Codec
-from shared.config import EngineConfig
+from shared.config import EngineConfig, ServeConfig
+from shared.flags import add_serve_flags
 from shared.messages import EngineStatus
 
 log = logging.getLogger("orca.serve")
@@ -65,20 +66,19 @@ def default_worker_threads(cpus: int, workers: int) -> int:
     return max(1, (cpus - 1) // workers)
 
 
-def start_engines(config: EngineConfig, nats_url: str, args: argparse.Namespace, worker_threads: int,
+def start_engines(config: EngineConfig, nats_url: str, settings: ServeConfig, worker_threads: int,
                   layout: CpuLayout | None) -> list:
     """A supervisor per engine replica, its master running (its `run` call fails at once if, say,
     the cluster cannot place its workers: `wait_until_ready` says so)."""
     from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master
 
     world = config.parallel.world_size
-    launches = [WorkerLaunch(step_timeout_s=args.step_timeout, worker_cpus=args.worker_cpus,
-                             worker_threads=worker_threads,
-                             worker_cores=layout.workers[i * world:(i + 1) * world] if layout else None)
-                for i in range(args.replicas)]
+    launches = [WorkerLaunch.of(settings, worker_threads=worker_threads,
+                                worker_cores=layout.workers[i * world:(i + 1) * world] if layout else None)
+                for i in range(settings.replicas)]
     now = time.monotonic()
     return [MasterSupervisor(str(i), launch_master(config, nats_url, str(i), launch),
-                             hang_timeout_s=args.hang_timeout).start(now)
+                             hang_timeout_s=settings.hang_timeout).start(now)
             for i, launch in enumerate(launches)]
 
 
@@ -90,23 +90,23 @@ def cpu_layout(args: argparse.Namespace, config: EngineConfig, workers: int, thr
     return plan_cpu_layout(available_cpus(), workers, threads)
 
 
-def start_services(args: argparse.Namespace, nats_url: str, config: EngineConfig,
+def start_services(settings: ServeConfig, nats_url: str, config: EngineConfig,
                    run_dir: Path) -> dict[str, SupervisedProcess]:
     """The tokenizer, admission and jobs processes, supervised. The tokenizer says "drained" on a
     pipe (see `_drain`)."""
-    drain = ["--drain-timeout", str(args.drain_timeout)]
+    drain = ["--drain-timeout", str(settings.drain_timeout)]
     model = ["--model", config.model.model]
     if config.model.chat_template is not None:
         model += ["--chat-template", config.model.chat_template]
     commands = {
         "tokenizer": lambda extra: service_command("tokenizer", nats_url, *model, *drain, *extra),
-        "admission": lambda extra: service_command("admission", nats_url, "--max-queue-len", str(args.max_queue_len),
-                                                   *extra),
+        "admission": lambda extra: service_command("admission", nats_url,
+                                                   "--max-queue-len", str(settings.max_queue_len), *extra),
         "jobs": lambda extra: service_command("jobs", nats_url, *drain, *extra),
     }
     now = time.monotonic()
-    return {name: SupervisedProcess(name, command, run_dir / f"{name}.alive", hang_timeout_s=args.hang_timeout,
-                                    drained_pipe=name == "tokenizer").start(now)
+    return {name: SupervisedProcess(name, command, run_dir / f"{name}.alive",
+                                    hang_timeout_s=settings.hang_timeout, drained_pipe=name == "tokenizer").start(now)
             for name, command in commands.items()}
 
 
@@ -165,7 +165,7 @@ def _raise_if_ended(runs: list) -> None:
         raise ValueError("an engine stopped while starting")
 
 
-def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig) -> int:
     import ray
 
     from services.nats_server import LocalNatsServer
@@ -176,8 +176,8 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     def on_signal(signum, frame) -> None:
         stop["now"] = True
 
-    workers = args.replicas * config.parallel.world_size
-    threads = args.worker_threads or default_worker_threads(len(available_cpus()), workers)
+    workers = settings.replicas * config.parallel.world_size
+    threads = settings.worker_threads or default_worker_threads(len(available_cpus()), workers)
     layout = cpu_layout(args, config, workers, threads)
     if layout is not None:  # first: every process started from here (NATS, Ray, the services) inherits it
         bind_this_process(layout.control)
@@ -204,18 +204,19 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
         signal.signal(signal.SIGINT, on_signal)
         run_dir = Path(tempfile.mkdtemp(prefix="orca-serve-"))  # the services' liveness files
         stack.callback(shutil.rmtree, run_dir, True)
-        services = start_services(args, nats_url, config, run_dir)
+        services = start_services(settings, nats_url, config, run_dir)
         stack.callback(stop_processes, list(services.values()))
-        masters = start_engines(config, nats_url, args, threads, layout)
+        masters = start_engines(config, nats_url, settings, threads, layout)
         stack.callback(_stop_masters, [m.actor for m in masters])
-        asyncio.run(wait_until_ready(nats_url, args.replicas, args.startup_timeout, [m.run_ref for m in masters]))
+        asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
+                                     [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config)
         wait_until_healthy(http_url, timeout_s=30.0)
-        stack.callback(_stop_gateway, args.drain_timeout)
+        stack.callback(_stop_gateway, settings.drain_timeout)
         from services.bus import redact_url
 
-        print(f"orca-serve is up: HTTP {http_url}, NATS {redact_url(nats_url)}, {args.replicas} engine replica(s) of "
-              f"{config.model.model}\n"
+        print(f"orca-serve is up: HTTP {http_url}, NATS {redact_url(nats_url)}, {settings.replicas} engine "
+              f"replica(s) of {config.model.model}\n"
               f"  openai:   {http_url}/v1 (completions, chat/completions, models); health: {http_url}/health\n"
               f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"
               f"  abort:    publish {{\"id\": ...}} to '{subjects.ABORT}'\n"
@@ -226,7 +227,7 @@ def serve(args: argparse.Namespace, config: EngineConfig) -> int:
             supervise(list(services.values()), masters)
             time.sleep(0.2)
         print("orca-serve: draining", file=sys.stderr, flush=True)
-        _drain(services["tokenizer"], services["jobs"], args.drain_timeout)
+        _drain(services["tokenizer"], services["jobs"], settings.drain_timeout)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     return 0
 
@@ -334,23 +335,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("serve")
     g.add_argument("--nats-url", default=env.nats_url_default(), help="use this NATS instead of starting one")
     g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
-    g.add_argument("--replicas", type=int, default=1, help="engine replicas (each with its own workers)")
-    g.add_argument("--worker-threads", type=int, default=None,
-                   help="torch threads per worker (default: the cores less one, shared by the workers)")
     g.add_argument("--cpu-bind", choices=("auto", "off"), default="auto",
                    help="auto: on a CPU-only local Ray, each worker runs on cores of its own (the last ones) and "
                         "everything else on the rest; off: the OS places them")
-    g.add_argument("--worker-cpus", type=float, default=1.0,
-                   help="Ray CPUs reserved per worker (tp x pp workers per replica; fractions allowed)")
-    g.add_argument("--max-queue-len", type=int, default=1024, help="admission queue bound")
-    g.add_argument("--startup-timeout", type=float, default=300.0)
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds to let requests in flight finish before ending them with an error")
-    g.add_argument("--step-timeout", type=float, default=120.0,
-                   help="an engine iteration with no result within this many seconds counts as a dead worker")
-    g.add_argument("--hang-timeout", type=float, default=10.0,
-                   help="a service process or engine master that shows no sign of life this many seconds is "
-                        "killed and restarted")
+    add_serve_flags(g)
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")

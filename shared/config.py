@@ -166,7 +166,8 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         "torch threads per worker (default: the cores less one, shared by the workers)")] = None
     """Torch threads per worker; None: `orca serve` gives the workers the cores less one (the control
     plane's), the other launchers leave torch's default."""
-    worker_cpus: Annotated[float, Flag("Ray CPUs reserved per worker (tp x pp workers per replica; fractions allowed)")] = 1.0
+    worker_cpus: Annotated[float, Flag(
+        "Ray CPUs reserved per worker (tp x pp workers per replica; fractions allowed)")] = 1.0
     """Ray CPUs each worker reserves (placement only: threads are `worker_threads`)."""
     step_timeout: Annotated[float, Flag(
         "an engine iteration with no result within this many seconds counts as a dead worker")] = 120.0
