@@ -31,12 +31,14 @@ generate: setup $(DEMO_MODEL)/config.json
 	$(BIN)/orca generate --model $(DEMO_MODEL) --input examples/prompts.jsonl --output out/generations.jsonl
 	@cat out/generations.jsonl
 
-# Two pytest-xdist workers: the end-to-end stacks wait on each other's processes about half the time
-# (tests/conftest.py schedules whole groups: the tests that share a stack, then each module; the longest first).
+# Two pytest-xdist workers for all but tests/reliability (tests/conftest.py schedules whole groups: the
+# tests that share a stack, then each module, the longest first); then tests/reliability alone, whose
+# recovery times other tests' load would stretch.
 PYTEST_WORKERS ?= 2
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder --durations=40
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not alone' --durations=25
+	$(BIN)/python -m pytest -q -m alone --durations=15
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not slow'

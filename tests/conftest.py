@@ -39,23 +39,28 @@ def nats_url() -> Iterator[str]:
     server.cleanup()
 
 
+ALONE = "tests/reliability/"
+"""Tests that `make test` runs after the others, alone (`-m alone`, one process): they time how fast
+the stack recovers from a fault (a restarted engine master must serve again within 30 s), and other
+tests' stacks starting on the same two cores stretch those times past their limits."""
 GROUPS: dict[str, tuple[str, ...]] = {
-    "reliability stack": tuple(f"tests/reliability/test_{name}.py" for name in (
-        "broker_restart", "chaos", "engine_fault", "jobs_consumer_crash", "soak", "watchdog", "drain")),
+    "reliability": (ALONE,),
     "gateway": ("tests/gateway/",),
     "deploy": ("tests/deploy/",),
 }
-"""Tests that must run in one pytest-xdist worker, by the path their ids start with: the modules on
-tests/reliability's shared `orca serve` (its drain test stops it, last); tests/gateway, on another
-shared stack; tests/deploy, whose NATS clusters elect JetStream leaders slowly enough under load
-without a second cluster electing beside them. Every other module is a group of its own (a module's
-own stack starts once)."""
-LONGEST_FIRST = ("reliability stack", "gateway", "tests/reliability/test_nats_cluster.py",
-                 "tests/parallel/test_parallel_serve.py", "tests/observability/test_end_to_end.py", "deploy",
-                 "tests/parallel/test_parallel_serve_gpt2.py", "tests/services/test_pipeline.py",
-                 "tests/model/test_hf_equivalence.py")
+"""Tests that must run in one pytest-xdist worker, by the path their ids start with: tests/reliability
+shares one `orca serve` (its drain test stops it, last); tests/gateway another; tests/deploy starts NATS
+clusters whose JetStream leader elections are slow enough under load without a second cluster electing
+beside them. Every other module is a group of its own (a module's own stack starts once)."""
+LONGEST_FIRST = ("reliability", "gateway", "tests/parallel/test_parallel_serve.py",
+                 "tests/observability/test_end_to_end.py", "deploy", "tests/parallel/test_parallel_serve_gpt2.py",
+                 "tests/services/test_pipeline.py", "tests/model/test_hf_equivalence.py")
 """The groups that take longest (each starts a stack, or compiles), handed out first so that no worker
 is left with a long one at the end; the rest follow as collected."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "alone: run after the other tests, by themselves (tests/conftest.py ALONE)")
 
 
 def group_of(nodeid: str) -> str:
@@ -64,14 +69,15 @@ def group_of(nodeid: str) -> str:
     return next((name for name, prefixes in GROUPS.items() if path.startswith(prefixes)), path)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects by it
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.nodeid.startswith(ALONE):
+        item.add_marker(pytest.mark.alone)
+
+
 @pytest.hookimpl(trylast=True)  # after tests/reliability's, which puts its drain test last
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest groups first; and no test on a shared stack outside that stack's group."""
-    for item in items:
-        if "stack" in item.fixturenames and item.nodeid.startswith("tests/reliability/") \
-                and group_of(item.nodeid) != "reliability stack":
-            raise pytest.UsageError(f"{item.nodeid} uses the reliability stack: add its module to "
-                                    f"GROUPS['reliability stack'] in tests/conftest.py")
+    """The longest groups first, the rest as collected."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(LONGEST_FIRST)))
 
