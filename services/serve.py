@@ -20,7 +20,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from services.cpu_binding import CpuLayout, available_cpus, bind_this_process, can_bind, plan_cpu_layout
+from services.ports import PortReservation
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
 from shared.codec import Codec
@@ -170,7 +170,8 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
 
     from services.nats_server import LocalNatsServer
 
-    args.port = check_port_free(args.host, args.port)  # before starting anything
+    http_port = PortReservation(args.host, args.port)  # before starting anything: a taken port fails at once
+    args.port = http_port.port
     stop = {"now": False}
 
     def on_signal(signum, frame) -> None:
@@ -184,6 +185,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         print(f"cores: control plane {list(layout.control)}, workers {[list(w) for w in layout.workers]} "
               f"(--cpu-bind off to leave them unbound)", flush=True)
     with ExitStack() as stack:
+        stack.callback(http_port.release)
         nats_url = args.nats_url
         if nats_url is None:
             server = LocalNatsServer().start()
@@ -210,7 +212,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         stack.callback(_stop_masters, [m.actor for m in masters])
         asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
                                      [m.run_ref for m in masters]))
-        http_url = start_gateway(args, nats_url, config)
+        http_url = start_gateway(args, nats_url, config, http_port)
         wait_until_healthy(http_url, timeout_s=30.0)
         stack.callback(_stop_gateway, settings.drain_timeout)
         from services.bus import redact_url
@@ -241,14 +243,14 @@ def supervise(services: list[SupervisedProcess], masters: list) -> None:
         master.check(now)
 
 
-def start_gateway(args: argparse.Namespace, nats_url: str, config: EngineConfig) -> str:
+def start_gateway(args: argparse.Namespace, nats_url: str, config: EngineConfig, http_port: PortReservation) -> str:
     """The OpenAI-compatible HTTP gateway as a Ray Serve deployment; returns its URL."""
     from services.gateway.app import start_on_ray_serve
     from services.gateway.state import GatewaySettings
 
     settings = GatewaySettings(nats_url=nats_url, model=config.model.model, served_model_name=args.served_model_name,
                                api_key=args.api_key, chat_template=config.model.chat_template)
-    start_on_ray_serve(settings, args.host, args.port)
+    start_on_ray_serve(settings, args.host, http_port)
     return f"http://{args.host}:{args.port}"
 
 
@@ -271,16 +273,6 @@ def wait_until_healthy(http_url: str, timeout_s: float) -> None:
             reason = str(exc)
         time.sleep(0.1)
     print(f"  /health is not 200 yet after {timeout_s:.0f} s: {reason}", flush=True)
-
-
-def check_port_free(host: str, port: int) -> int:
-    """The port to serve HTTP on: `port` if it is free (ValueError otherwise), or any free one for 0."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
-        return sock.getsockname()[1]
 
 
 def _stop_gateway(timeout_s: float) -> None:

@@ -30,6 +30,7 @@ from services.gateway.metrics import render_metrics
 from services.gateway.middleware import CountResponses, LimitBody, OpenRequests, RequireBearer
 from services.gateway.state import GatewaySettings, GatewayState
 from services.gateway.tracing import TraceRequests
+from services.ports import PortReservation
 from shared.telemetry import setup_tracing
 
 log = logging.getLogger("orca.gateway")
@@ -224,29 +225,50 @@ def serve_env(port: int) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1)}
 
 
-def start_on_ray_serve(settings: GatewaySettings, host: str, port: int) -> None:
+def start_on_ray_serve(settings: GatewaySettings, host: str, http_port: PortReservation) -> None:
     """Serve the app from a Ray Serve deployment (one replica, one NATS connection, many
     concurrent requests) that listens on host:port itself (Serve's direct ingress). Ray must be
-    initialised; Serve must not be running yet (its ingress mode is fixed when it starts)."""
+    initialised; Serve must not be running yet (its ingress mode is fixed when it starts). The
+    reservation is released once the replica listens (or before it binds, on a Ray whose replica
+    cannot share the port)."""
     from ray import serve
 
-    env = serve_env(port)  # for the controller (proxy placement, the replica's port) and the replica
+    env = serve_env(http_port.port)  # for the controller (proxy placement, the replica's port) and the replica
+    if not replica_binds_with_reuse_port():
+        http_port.release()
 
-    # Serve still starts its HTTP proxy on the head node in this mode: on another port, unused.
-    serve.start(http_options={"host": host, "port": _free_port(host)}, proxy_location="HeadOnly",
-                controller_options={"runtime_env": {"env_vars": env}})
-    deployment = serve.deployment(serve.ingress()(RayGateway), name="orca-gateway", num_replicas=1,
-                                  max_ongoing_requests=4096, graceful_shutdown_timeout_s=5,
-                                  ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
-    serve.run(deployment.bind(settings), name="orca-gateway", route_prefix="/")
+    # Serve still starts its HTTP proxy on the head node in this mode, unused; it binds with SO_REUSEPORT.
+    with PortReservation(host, 0) as proxy_port:
+        serve.start(http_options={"host": host, "port": proxy_port.port}, proxy_location="HeadOnly",
+                    controller_options={"runtime_env": {"env_vars": env}})
+        deployment = serve.deployment(serve.ingress()(RayGateway), name="orca-gateway", num_replicas=1,
+                                      max_ongoing_requests=4096, graceful_shutdown_timeout_s=5,
+                                      ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
+        try:
+            serve.run(deployment.bind(settings), name="orca-gateway", route_prefix="/")
+        except RuntimeError:
+            raise ValueError(f"the gateway did not start on {host}:{http_port.port}: {_replica_error(serve)}") from None
+    http_port.release()
 
 
-def _free_port(host: str) -> int:
-    import socket
+def _replica_error(serve) -> str:
+    """The replica's own error, the last line of the traceback Serve keeps (its RuntimeError leaves it out)."""
+    try:
+        message = serve.status().applications["orca-gateway"].deployments["orca-gateway"].message
+    except Exception as exc:  # noqa: BLE001 - the failure itself is what matters
+        return f"Serve failed to deploy it and gave no details ({exc})"
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    last = lines[-1] if lines else "Serve gave no details"
+    if "NoAvailablePortError" in last:
+        return "the port was taken by another process before the gateway could listen there"
+    return last
 
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+
+def replica_binds_with_reuse_port() -> bool:
+    """Whether this Ray has the hook that `rebindable_direct_ingress` patches (in the replica process)."""
+    from ray.serve._private import replica
+
+    return getattr(replica, "start_asgi_http_server", None) is not None
 
 
 def rebindable_direct_ingress() -> bool:

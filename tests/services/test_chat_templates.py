@@ -169,6 +169,6 @@ def test_orca_serve_passes_the_template_to_the_tokenizer_and_the_gateway(tmp_pat
     assert tokenizer[tokenizer.index("--model") + 1] == str(tmp_path)
 
     settings = {}
-    monkeypatch.setattr("services.gateway.app.start_on_ray_serve", lambda s, host, port: settings.update(s=s))
-    serve.start_gateway(parsed, "nats://x", config)
+    monkeypatch.setattr("services.gateway.app.start_on_ray_serve", lambda s, host, http_port: settings.update(s=s))
+    serve.start_gateway(parsed, "nats://x", config, http_port=None)
     assert settings["s"].chat_template == OWN
