@@ -19,7 +19,8 @@ class PortReservation:
 
     def __init__(self, host: str, port: int) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family) as probe:  # free now, for anyone, not only for reuse-port peers
+        with socket.socket(family) as probe:  # no listener now, not even a reuse-port peer's
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a stopped server's TIME_WAITs are no owner
             try:
                 probe.bind((host, port))
             except OSError as exc:

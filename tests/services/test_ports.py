@@ -42,10 +42,17 @@ def test_a_reuse_port_listener_shares_it_and_gets_every_connection():
                     accepted.close()
 
 
-def test_a_port_in_use_is_refused_at_once_with_the_reason():
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
+def plain_listener() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.parametrize("listener", [plain_listener, lambda: reuse_port_listener(0)],
+                         ids=["plain listener", "another orca serve's gateway (SO_REUSEPORT)"])
+def test_a_port_someone_listens_on_is_refused_at_once_with_the_reason(listener):
+    with listener() as taken:
         port = taken.getsockname()[1]
         with pytest.raises(ValueError, match=f"--port {port}: cannot listen there"):
             PortReservation("127.0.0.1", port)
@@ -56,3 +63,20 @@ def test_release_is_idempotent():
     reservation.release()
     reservation.release()
     plain_bind(reservation.port)
+
+
+def test_a_port_a_stopped_server_just_left_can_be_taken_again_at_once():
+    """Restarting `orca serve` on the same --port right after stopping it: the old server's side of
+    its connections sits in TIME_WAIT for a minute, which must not refuse the port."""
+    listener = reuse_port_listener(0)  # the gateway's (and uvicorn's) listener sets SO_REUSEADDR
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server closes first: its end goes to TIME_WAIT
+    client.recv(1)
+    client.close()
+    listener.close()
+    with pytest.raises(OSError):
+        plain_bind(port)  # what a bind without SO_REUSEADDR meets
+    with PortReservation("127.0.0.1", port) as reservation:
+        assert reservation.port == port
