@@ -21,7 +21,8 @@
 # Environment: N (default 128), N_SINGLE (default 32), RATES (default "4 8 16 32"), MAX_NUM_SEQS (both
 # servers, default 256), KV_TOKENS (KV cache slots, both servers, default 65536: orca serve's default),
 # VLLM_PYTHON (default /work/vllm-venv/bin/python, see benchmarks/setup_vllm.sh), OUT (default
-# out/bench-serve), STARTUP_TIMEOUT (s, default 900: vLLM compiles the model on its first start).
+# out/bench-serve), STARTUP_TIMEOUT (s, default 900: vLLM compiles the model on its first start), ORDER
+# (default "orca vllm": which server runs first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_MODEL=.cache/demo-llama
@@ -34,6 +35,7 @@ KV_TOKENS=${KV_TOKENS:-65536}
 VLLM_PYTHON=${VLLM_PYTHON:-/work/vllm-venv/bin/python}
 OUT=${OUT:-out/bench-serve}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
+ORDER=${ORDER:-"orca vllm"}
 TCMALLOC=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 if [ ! -f "$MODEL/config.json" ]; then
     [ "$MODEL" = "$DEFAULT_MODEL" ] || { echo "$MODEL: no config.json" >&2; exit 1; }
@@ -123,23 +125,38 @@ runs() {  # runs SERVER URL
 
 LOAD_START=$(cat /proc/loadavg)
 
-echo "orca serve $MODEL ..." >&2
-LD_PRELOAD=$TCMALLOC .venv/bin/orca serve --model "$MODEL" --dtype float32 --max-num-seqs "$MAX_NUM_SEQS" \
-    --kv-cache-tokens "$KV_TOKENS" --port 0 --drain-timeout 5 > "$OUT/orca-server.log" 2>&1 &
-SERVER_PID=$!
-URL=$(wait_for "$OUT/orca-server.log" 'orca-serve is up: HTTP (http://[^,]+),')
-runs orca "$URL"
-stop_server
+serve_orca() {
+    echo "orca serve $MODEL ..." >&2
+    LD_PRELOAD=$TCMALLOC .venv/bin/orca serve --model "$MODEL" --dtype float32 --max-num-seqs "$MAX_NUM_SEQS" \
+        --kv-cache-tokens "$KV_TOKENS" --port 0 --drain-timeout 5 > "$OUT/orca-server.log" 2>&1 &
+    SERVER_PID=$!
+    local url
+    url=$(wait_for "$OUT/orca-server.log" 'orca-serve is up: HTTP (http://[^,]+),')
+    runs orca "$url"
+    stop_server
+}
 
-PORT=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
-echo "vllm serve $MODEL (default, compiled) on port $PORT ..." >&2
-env -u VLLM_CPU_KVCACHE_SPACE LD_PRELOAD=$TCMALLOC "$VLLM_PYTHON" benchmarks/vllm_cli.py serve "$MODEL" --dtype float32 \
-    --max-num-seqs "$MAX_NUM_SEQS" --kv-cache-memory-bytes "$KV_BYTES" --host 127.0.0.1 --port "$PORT" \
-    > "$OUT/vllm-server.log" 2>&1 &
-SERVER_PID=$!
-wait_for "$OUT/vllm-server.log" '(Application startup complete)' > /dev/null
-runs vllm "http://127.0.0.1:$PORT"
-stop_server
+serve_vllm() {
+    local port
+    port=$(python3 -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+    echo "vllm serve $MODEL (default, compiled) on port $port ..." >&2
+    env -u VLLM_CPU_KVCACHE_SPACE LD_PRELOAD=$TCMALLOC "$VLLM_PYTHON" benchmarks/vllm_cli.py serve "$MODEL" \
+        --dtype float32 --max-num-seqs "$MAX_NUM_SEQS" --kv-cache-memory-bytes "$KV_BYTES" --host 127.0.0.1 \
+        --port "$port" > "$OUT/vllm-server.log" 2>&1 &
+    SERVER_PID=$!
+    wait_for "$OUT/vllm-server.log" '(Application startup complete)' > /dev/null
+    runs vllm "http://127.0.0.1:$port"
+    stop_server
+}
+
+# This VM's speed drifts within the hour: ORDER="vllm orca" runs vLLM first, to see the order's share.
+for server in $ORDER; do
+    case $server in
+        orca) serve_orca ;;
+        vllm) serve_vllm ;;
+        *) echo "ORDER: unknown server $server (orca, vllm)" >&2; exit 2 ;;
+    esac
+done
 
 LOAD_END=$(cat /proc/loadavg)
 .venv/bin/python - "$OUT" "$MODEL" "$N" "$N_SINGLE" "$RATES" "$LOAD_START" "$LOAD_END" "$MAX_NUM_SEQS" "$KV_TOKENS" <<'PY'
