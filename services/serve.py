@@ -102,7 +102,8 @@ def start_services(settings: ServeConfig, nats_url: str, config: EngineConfig,
         "tokenizer": lambda extra: service_command("tokenizer", nats_url, *model, *drain, *extra),
         "admission": lambda extra: service_command("admission", nats_url,
                                                    "--max-queue-len", str(settings.max_queue_len), *extra),
-        "jobs": lambda extra: service_command("jobs", nats_url, *drain, *extra),
+        "jobs": lambda extra: service_command("jobs", nats_url, *drain, "--jobs-ack-wait", str(settings.jobs_ack_wait),
+                                              *extra),
     }
     now = time.monotonic()
     return {name: SupervisedProcess(name, command, run_dir / f"{name}.alive",

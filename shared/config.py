@@ -183,6 +183,11 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Requests admission holds waiting; one more is refused at once (HTTP 429 with Retry-After)."""
     startup_timeout: Annotated[float, Flag("seconds `orca serve` waits for its engines and tokenizer")] = 300.0
     """How long `orca serve` waits for every engine to be ready and a tokenizer to answer."""
+    jobs_ack_wait: Annotated[float, Flag(
+        "seconds a jobs consumer that stopped sending heartbeats keeps its jobs before JetStream hands them "
+        "to another")] = 30.0
+    """JetStream's ack wait on the jobs consumer: a live consumer beats three times within it; a dead one's
+    jobs go to another consumer this long after its last beat."""
 
     def __post_init__(self) -> None:
         for name in ("replicas", "max_queue_len"):
@@ -190,7 +195,7 @@ class ServeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.worker_threads is not None and self.worker_threads < 1:
             raise ValueError(f"worker_threads={self.worker_threads} must be >= 1")
-        for name in ("worker_cpus", "step_timeout", "hang_timeout", "startup_timeout"):
+        for name in ("worker_cpus", "step_timeout", "hang_timeout", "startup_timeout", "jobs_ack_wait"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")
         if self.drain_timeout < 0:

@@ -21,7 +21,7 @@ from shared.flags import add_serve_flags, serve_config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 OTHER = {"replicas": 3, "worker_threads": 2, "worker_cpus": 0.5, "step_timeout": 7.5, "hang_timeout": 4.0,
-         "drain_timeout": 0.0, "max_queue_len": 9, "startup_timeout": 60.0}
+         "drain_timeout": 0.0, "max_queue_len": 9, "startup_timeout": 60.0, "jobs_ack_wait": 4.5}
 """A value for every field, none its default."""
 
 
@@ -65,14 +65,16 @@ def test_orca_serve_hands_its_settings_to_the_services_it_starts(tmp_path, monke
     for name in ("tokenizer", "jobs"):
         command, hang = started[name]
         assert command[command.index("--drain-timeout") + 1] == "0.0" and hang == 4.0
-    assert jobs_args(started["jobs"][0][3:]).drain_timeout == 0.0  # the jobs service parses what it gets
+    jobs = jobs_args(started["jobs"][0][3:])  # the jobs service parses what it gets
+    assert (jobs.drain_timeout, jobs.jobs_ack_wait) == (0.0, 4.5)
     admission = started["admission"][0]
     assert admission[admission.index("--max-queue-len") + 1] == "9"
 
 
 @pytest.mark.parametrize("name,value", [("replicas", "0"), ("worker_threads", "0"), ("step_timeout", "0"),
                                         ("hang_timeout", "-1"), ("drain_timeout", "-1"), ("max_queue_len", "0"),
-                                        ("worker_cpus", "0"), ("startup_timeout", "0")])
+                                        ("worker_cpus", "0"), ("startup_timeout", "0"),
+                                        ("jobs_ack_wait", "0")])
 def test_a_bad_value_is_a_value_error_naming_the_field(name, value):
     parser = argparse.ArgumentParser()
     add_serve_flags(parser)

@@ -19,7 +19,7 @@ REPLICAS_ENV = "ORCA_JETSTREAM_REPLICAS"
 async def main(args: argparse.Namespace) -> None:
     async def start(nc):
         liveness.start(args.alive_file)
-        service = JobsService(nc, args.concurrency, args.jetstream_replicas)
+        service = JobsService(nc, args.concurrency, args.jetstream_replicas, args.jobs_ack_wait)
         await service.start()
         return lambda: service.stop(args.drain_timeout)
 
@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jetstream-replicas", default=env.jetstream_replicas() or "1",
                         help="copies of the jobs streams: 3 on a NATS cluster of three servers or more, 1 on a "
                              f"single server (default: {REPLICAS_ENV}, else 1)")
-    add_serve_flags(parser, ["drain_timeout"])
+    add_serve_flags(parser, ["drain_timeout", "jobs_ack_wait"])
     args = parser.parse_args(argv)
     try:
         args.jetstream_replicas = int(args.jetstream_replicas)

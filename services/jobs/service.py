@@ -36,9 +36,8 @@ from shared.client import generate
 
 log = logging.getLogger("orca.jobs")
 DUPLICATE_WINDOW_S = 600.0
-ACK_WAIT_S = 30.0
-"""A job whose consumer died is handed out again this long after its last heartbeat."""
-HEARTBEAT_S = ACK_WAIT_S / 3
+BEATS_PER_ACK_WAIT = 3
+"""A job's heartbeats within the consumer's ack wait (ServeConfig.jobs_ack_wait): two may be late."""
 IDLE_EVENT_TIMEOUT_S = 300.0
 """A generation that takes no event this long (a queued job waits silently too) is given up and retried."""
 JOB_TIMEOUT_S = 24 * 3600.0
@@ -104,10 +103,11 @@ async def ensure_stream(js, config: StreamConfig) -> None:
 
 
 class JobsService:
-    def __init__(self, nc: Client, concurrency: int = 64, replicas: int = 1) -> None:
+    def __init__(self, nc: Client, concurrency: int = 64, replicas: int = 1, ack_wait_s: float = 30.0) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.replicas = replicas
+        self.ack_wait_s = ack_wait_s
         self.concurrency = asyncio.Semaphore(concurrency)
         self.in_flight: set[str] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -116,8 +116,17 @@ class JobsService:
         await ensure_streams(self.nc, self.replicas)
         self.sub = await self.js.pull_subscribe(
             subjects.JOBS_SUBMIT, durable=subjects.JOBS_CONSUMER, stream=subjects.JOBS_STREAM,
-            config=ConsumerConfig(ack_wait=ACK_WAIT_S, max_ack_pending=1024))
+            config=ConsumerConfig(ack_wait=self.ack_wait_s, max_ack_pending=1024))
+        await self._apply_ack_wait()
         self._loop = asyncio.create_task(self._pull())
+
+    async def _apply_ack_wait(self) -> None:
+        """The durable consumer outlives its services: one made with another ack wait gets this one."""
+        info = await self.js.consumer_info(subjects.JOBS_STREAM, subjects.JOBS_CONSUMER)
+        if info.config.ack_wait is not None and abs(info.config.ack_wait - self.ack_wait_s) < 1e-3:
+            return
+        log.info("jobs consumer: ack wait %s -> %s s", info.config.ack_wait, self.ack_wait_s)
+        await self.js.add_consumer(subjects.JOBS_STREAM, dataclasses.replace(info.config, ack_wait=self.ack_wait_s))
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Stop pulling, let jobs in progress finish for up to `drain_timeout_s`, then cancel the
@@ -184,7 +193,7 @@ class JobsService:
         """Tell JetStream the job is still being worked on (queued or generating), so only a
         consumer that died has its jobs redelivered."""
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(self.ack_wait_s / BEATS_PER_ACK_WAIT)
             try:
                 await msg.in_progress()
             except Exception as exc:  # noqa: BLE001 - reconnecting: the next beat may pass

@@ -19,6 +19,8 @@ STEP_TIMEOUT_S = 3.0
 HANG_TIMEOUT_S = 5.0
 """A service or engine master silent this long is killed and restarted by `orca serve`."""
 DRAIN_TIMEOUT_S = 20.0
+JOBS_ACK_WAIT_S = 6.0
+"""A killed jobs consumer's jobs go to another this long after its last heartbeat (30 s by default)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -57,7 +59,8 @@ def stack(demo_model, tmp_path_factory) -> Stack:
         serve = GatewayServe(["--model", demo_model, "--nats-url", broker.url, "--max-num-seqs", "4",
                               "--kv-cache-tokens", "8192", "--worker-threads", "1",
                               "--step-timeout", str(STEP_TIMEOUT_S), "--drain-timeout", str(DRAIN_TIMEOUT_S),
-                              "--hang-timeout", str(HANG_TIMEOUT_S)])
+                              "--hang-timeout", str(HANG_TIMEOUT_S),
+                              "--jobs-ack-wait", str(JOBS_ACK_WAIT_S)])
     finally:
         del os.environ["ORCA_TEST_FAULT_FILE"]
     yield Stack(serve, broker, fault_file)

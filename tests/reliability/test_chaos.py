@@ -136,7 +136,7 @@ async def start_jobs(stack, label: str) -> dict:
 
 async def finish_jobs(stack, jobs: dict, demo_model: str) -> dict:
     """Every job, taken by the jobs service before it died, has exactly one stored result with the
-    greedy tokens (JetStream hands a dead consumer's jobs out again after the ack wait, 30 s)."""
+    greedy tokens (JetStream hands a dead consumer's jobs out again after the ack wait, conftest.JOBS_ACK_WAIT_S)."""
     expected = await asyncio.to_thread(greedy_outputs, demo_model, jobs["bodies"])
     stored = await job_results(jobs["js"], [b["id"] for b in jobs["bodies"]], 90)
     count = await results_stored(jobs["js"]) - jobs["before"]

@@ -14,7 +14,7 @@ import time
 import nats
 import pytest
 
-from services.jobs.service import ACK_WAIT_S
+from tests.reliability.conftest import JOBS_ACK_WAIT_S
 from tests.reliability.helpers import greedy_outputs, job_results, publish_job, results_stored, run
 from shared.subjects import JOBS_CONSUMER, JOBS_STREAM
 from tests.services.stack import ROOT, descendants
@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 def test_a_jobs_consumer_killed_before_ack_loses_no_job_and_runs_none_twice(stack, demo_model):
     main_jobs = next(pid for pid, cmd in descendants(stack.serve.process.pid) if "services.jobs" in cmd)
-    extra = subprocess.Popen([sys.executable, "-m", "services.jobs", "--nats-url", stack.nats_url], cwd=ROOT,
+    extra = subprocess.Popen([sys.executable, "-m", "services.jobs", "--nats-url", stack.nats_url,
+                              "--jobs-ack-wait", str(JOBS_ACK_WAIT_S)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     bodies = [{"id": f"crash-job-{i}-{time.time_ns()}", "prompt": f"x = {i}", "max_tokens": 800, "temperature": 0,
                "ignore_eos": True} for i in range(3)]
@@ -54,14 +55,14 @@ def test_a_jobs_consumer_killed_before_ack_loses_no_job_and_runs_none_twice(stac
             # orca serve's supervisor may have killed and replaced the stopped consumer as hung meanwhile
             with contextlib.suppress(ProcessLookupError):
                 os.kill(main_jobs, signal.SIGCONT)
-        results = await job_results(js, [b["id"] for b in bodies], ACK_WAIT_S * 2 + 120)
+        results = await job_results(js, [b["id"] for b in bodies], JOBS_ACK_WAIT_S * 2 + 120)
         recovered_s = time.monotonic() - killed_at
         stored_after = await results_stored(js)
         await nc.close()
         return results, stored_before, stored_after, recovered_s
 
     try:
-        results, before, after, recovered_s = run(go(), ACK_WAIT_S * 2 + 240)
+        results, before, after, recovered_s = run(go(), JOBS_ACK_WAIT_S * 2 + 240)
     finally:
         if extra.poll() is None:
             extra.kill()
