@@ -79,7 +79,9 @@ class Call:
         if self.chat:
             return self._chat_chunks(index, event, first, logprobs)
         text = (self.echo[index] if first and self.echo else "") + event.text
-        if not (text or event.finish_reason or logprobs):
+        # New tokens are a chunk even when they make no text yet (a byte of a character, text a stop
+        # string may claim): the client sees the first token when it comes, as vLLM sends it.
+        if not (text or event.token_ids or event.finish_reason or logprobs):
             return []
         lp = completion_logprobs(logprobs, self.state.token_text, sent_len) if logprobs else None
         return [self._with_usage(completion_chunk(self.public_id, self.created, self.model, index, text,
@@ -89,7 +91,7 @@ class Call:
         out = [{"role": "assistant", "content": ""}] if first else []
         finish_reason = event.finish_reason
         if self.tool_streams is None:
-            if event.text or logprobs:
+            if event.text or logprobs or (event.token_ids and not first):  # the role chunk opened the first
                 out.append({"content": event.text})
         else:
             deltas, logprobs = self._tool_deltas(index, event, logprobs)

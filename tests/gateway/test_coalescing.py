@@ -144,3 +144,16 @@ def test_an_error_mid_stream_sends_the_text_then_the_error():
     assert last[0]["choices"][0]["text"] == "<2>"
     assert last[1]["error"]["code"] == 503 and "WorkerDied" in last[1]["error"]["message"]
     assert last[2] == "[DONE]" and len(last) == 3
+
+
+def test_tokens_that_make_no_text_yet_are_still_a_chunk_so_the_client_sees_the_first_token():
+    """A byte of a character (or text a stop string may claim) decodes to nothing yet: vLLM still sends
+    a chunk for the token, so clients time the first token when it comes; before, the first chunk
+    waited for text (83 ms against 24 on a prompt whose first tokens were bytes)."""
+    byte = Event("c-0", [300], "", None)
+    completion = call_of(generation()).chunks(0, byte)
+    assert [c["choices"][0]["text"] for c in completion] == [""]
+    chat = call_of(generation(), chat=True)
+    assert [c["choices"][0]["delta"] for c in chat.chunks(0, byte)] == [{"role": "assistant", "content": ""}]
+    assert [c["choices"][0]["delta"] for c in chat.chunks(0, Event("c-0", [301], "", None))] == [{"content": ""}]
+    assert call_of(generation()).chunks(0, Event("c-0", [], "", None)) == [], "no token, no text: nothing to send"
