@@ -21,9 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from core.batch import RunnerOutput, SchedulerOutput
-from model.arch import ArchConfig
 from shared.parallel import ParallelRank
-from model.tensor_parallel import check_divisible
 from shared.codec import Codec
 from shared.config import EngineConfig
 
@@ -37,13 +35,6 @@ class Executor(Protocol):
     def submit(self, scheduler_output: SchedulerOutput) -> None: ...
     def collect(self) -> RunnerOutput: ...
     def close(self) -> None: ...
-
-
-def check_parallel(arch: ArchConfig, config: EngineConfig) -> None:
-    """Fail before starting any worker if the model cannot be split this way."""
-    parallel = config.parallel
-    check_divisible(arch, parallel.tensor_parallel_size)
-    ParallelRank(pp_size=parallel.pipeline_parallel_size).layer_range(arch.num_layers)
 
 
 @dataclass(frozen=True)

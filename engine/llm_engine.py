@@ -17,9 +17,9 @@ from core.batch import SchedulerOutput
 from core.detokenize import IncrementalDetokenizer
 from core.request import Request
 from core.scheduler import Scheduler
-from engine.executor import Executor, LocalExecutor, MultiprocExecutor, RunnerArgs, check_parallel
+from engine.executor import Executor, LocalExecutor, MultiprocExecutor, RunnerArgs
 from engine.tokenizer import Tokenizer, load_tokenizer, render_messages
-from model.arch import eos_token_ids, load_arch_config, resolve_max_model_len
+from model.arch import check_split, eos_token_ids, load_arch_config, resolve_max_model_len
 from model.runner import ModelRunner
 from shared.api import GenerateRequest
 from shared.config import EngineConfig
@@ -81,7 +81,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.model.model, config.model.max_model_len)
         cache = config.cache
         arch = load_arch_config(config.model.model)
-        check_parallel(arch, config)
+        check_split(arch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size)
         self.executor: Executor
         if config.parallel.world_size > 1:
             self.executor = MultiprocExecutor(config, self.max_model_len)

@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.parallel import ParallelRank
+
 LLAMA_FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 SUPPORTED = {**LLAMA_FAMILY, **GPT2_FAMILY}
@@ -124,6 +126,26 @@ def _gpt2(raw: dict) -> ArchConfig:
         bos_token_id=raw.get("bos_token_id"),
     )
 
+
+def check_divisible(arch: ArchConfig, tp_size: int) -> None:
+    """ValueError unless `tp_size` ranks can split the heads, KV heads and MLP columns (model/tensor_parallel.py)."""
+    problems = []
+    if arch.num_heads % tp_size:
+        problems.append(f"{arch.num_heads} attention heads")
+    nkv = arch.num_kv_heads
+    if nkv % tp_size and tp_size % nkv:
+        problems.append(f"{nkv} KV heads (need a multiple or a divisor of the TP size)")
+    if arch.intermediate_size % tp_size:
+        problems.append(f"intermediate size {arch.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {', '.join(problems)}")
+
+
+def check_split(arch: ArchConfig, tp_size: int, pp_size: int) -> None:
+    """Fail before starting any worker if the model cannot be split this way: arithmetic only, so the
+    engine master (the control plane, no torch) checks it too."""
+    check_divisible(arch, tp_size)
+    ParallelRank(pp_size=pp_size).layer_range(arch.num_layers)
 
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.arch import ArchConfig
+from model.arch import ArchConfig, check_divisible
 from model.distributed import ParallelGroups
 
 
@@ -37,19 +37,6 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.groups.all_reduce(F.linear(x, self.weight))
         return out + self.bias if self.bias is not None else out
-
-
-def check_divisible(arch: ArchConfig, tp_size: int) -> None:
-    problems = []
-    if arch.num_heads % tp_size:
-        problems.append(f"{arch.num_heads} attention heads")
-    nkv = arch.num_kv_heads
-    if nkv % tp_size and tp_size % nkv:
-        problems.append(f"{nkv} KV heads (need a multiple or a divisor of the TP size)")
-    if arch.intermediate_size % tp_size:
-        problems.append(f"intermediate size {arch.intermediate_size}")
-    if problems:
-        raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {', '.join(problems)}")
 
 
 def local_kv_heads(arch: ArchConfig, tp_size: int) -> int:

@@ -27,7 +27,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from services.cpu_binding import CpuLayout, available_cpus, bind_this_process, can_bind, plan_cpu_layout
+from services.cpu_binding import CpuLayout, available_cpus, bind_process_tree, can_bind, plan_cpu_layout
 from services.ports import PortReservation
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
@@ -181,10 +181,9 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
     workers = settings.replicas * config.parallel.world_size
     threads = settings.worker_threads or default_worker_threads(len(available_cpus()), workers)
     layout = cpu_layout(args, config, workers, threads)
-    if layout is not None:  # first: every process started from here (NATS, Ray, the services) inherits it
-        bind_this_process(layout.control)
-        print(f"cores: control plane {list(layout.control)}, workers {[list(w) for w in layout.workers]} "
-              f"(--cpu-bind off to leave them unbound)", flush=True)
+    if layout is not None:
+        print(f"cores: control plane {list(layout.control)}, workers {[list(w) for w in layout.workers]}, "
+              f"once up (--cpu-bind off to leave them unbound)", flush=True)
     with ExitStack() as stack:
         stack.callback(http_port.release)
         nats_url = args.nats_url
@@ -211,11 +210,13 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         stack.callback(stop_processes, list(services.values()))
         masters = start_engines(config, nats_url, settings, threads, layout)
         stack.callback(_stop_masters, [m.actor for m in masters])
+        http_url = start_gateway(args, nats_url, config, http_port)  # Serve starts while the engines load
+        stack.callback(_stop_gateway, settings.drain_timeout)
         asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
                                      [m.run_ref for m in masters]))
-        http_url = start_gateway(args, nats_url, config, http_port)
         wait_until_healthy(http_url, timeout_s=30.0)
-        stack.callback(_stop_gateway, settings.drain_timeout)
+        if layout is not None:  # now, not before: start-up would queue on the control plane's cores
+            bind_process_tree(os.getpid(), layout.control, {core for cores in layout.workers for core in cores})
         from services.bus import redact_url
 
         print(f"orca-serve is up: HTTP {http_url}, NATS {redact_url(nats_url)}, {settings.replicas} engine "

@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-from model.arch import eos_token_ids, resolve_max_model_len
+from model.arch import check_split, eos_token_ids, load_arch_config, resolve_max_model_len
 from services.bus import connect, drain_quietly
 from services.engine.launch import WorkerLaunch
 from services.engine.master import EngineMaster
@@ -32,12 +32,10 @@ class EngineMasterActor:
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
-        from engine.executor import check_parallel
-        from model.arch import load_arch_config
-
         model = self.config.model
         max_model_len = resolve_max_model_len(model.model, model.max_model_len)
-        check_parallel(load_arch_config(model.model), self.config)
+        check_split(load_arch_config(model.model), self.config.parallel.tensor_parallel_size,
+                    self.config.parallel.pipeline_parallel_size)
         world = self.config.parallel.world_size
         bundle = worker_bundle(model.device, self.launch.worker_cpus)
         what = (f"engine {self.replica} (tp={self.config.parallel.tensor_parallel_size} "

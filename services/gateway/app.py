@@ -243,6 +243,9 @@ def start_on_ray_serve(settings: GatewaySettings, host: str, http_port: PortRese
                     controller_options={"runtime_env": {"env_vars": env}})
         deployment = serve.deployment(serve.ingress()(RayGateway), name="orca-gateway", num_replicas=1,
                                       max_ongoing_requests=4096, graceful_shutdown_timeout_s=5,
+                                      # `orca serve` has waited for the open requests itself (_stop_gateway):
+                                      # Serve's default 2 s between its own checks only delays the stop
+                                      graceful_shutdown_wait_loop_s=0.2,
                                       ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
         try:
             serve.run(deployment.bind(settings), name="orca-gateway", route_prefix="/")

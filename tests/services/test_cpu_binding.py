@@ -1,8 +1,11 @@
 """orca serve's core layout: each worker its own cores, the control plane the rest."""
 
 import os
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,3 +43,63 @@ def test_a_bound_process_and_the_threads_it_starts_later_stay_on_its_cores():
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
+
+
+CHILD = r"""
+import os, sys, threading, time
+if sys.argv[1] == "worker":
+    os.sched_setaffinity(0, {int(sys.argv[2])})  # a model worker binds itself as it starts
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a thread started before the binding
+os.write(1, b"ready\n")
+sys.stdin.readline()
+threads = set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")))
+os.write(1, f"{sorted(os.sched_getaffinity(0))} {sorted(threads)}\n".encode())  # one write: two processes share the pipe
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="Linux, 2 cores")
+def test_a_stack_binds_every_thread_of_its_tree_to_the_control_cores_but_the_workers():
+    from services.cpu_binding import bind_process_tree
+
+    control, worker = sorted(os.sched_getaffinity(0))[:2]
+    # orca serve -> a service, and -> a launcher (like Ray's raylet) -> a worker bound to its own core
+    launcher = ("import subprocess, sys\n"
+                f"w = subprocess.Popen([sys.executable, '-c', {CHILD!r}, 'worker', '{worker}'], stdin=sys.stdin)\n"
+                "w.wait()\n")
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             f"s = subprocess.Popen([sys.executable, '-c', {CHILD!r}, 'service'], stdin=subprocess.PIPE, stdout=sys.stdout)\n"
+                             f"l = subprocess.Popen([sys.executable, '-c', {launcher!r}], stdin=subprocess.PIPE, stdout=sys.stdout)\n"
+                             "sys.stdin.readline(); s.stdin.write(b'go\\n'); s.stdin.flush(); l.stdin.write(b'go\\n'); l.stdin.flush()\n"
+                             "time.sleep(60)\n"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    lines = LineReader(root.stdout.fileno())
+    try:
+        assert [lines.next() for _ in range(2)] == ["ready", "ready"]
+        assert bind_process_tree(root.pid, [control], [worker]) > 0
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        seen = sorted(lines.next() for _ in range(2))
+        assert seen == sorted([f"[{control}] [{control}]", f"[{worker}] [{worker}]"])
+        assert os.sched_getaffinity(root.pid) == {control}
+        assert len(os.sched_getaffinity(0)) > 1, "the caller itself is not in the tree"
+    finally:
+        os.killpg(root.pid, signal.SIGKILL)  # the whole tree: it is the session's process group
+        root.wait()
+
+
+class LineReader:
+    """Lines from a pipe, each within a deadline (a child that died would otherwise hang the test)."""
+
+    def __init__(self, fd: int, timeout_s: float = 20.0) -> None:
+        self.fd, self.timeout_s, self.buffer = fd, timeout_s, b""
+
+    def next(self) -> str:
+        deadline = time.monotonic() + self.timeout_s
+        while b"\n" not in self.buffer:
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(self.fd, 4096) if ready else b""
+            assert chunk, "no line from the process tree in time (a child failed?)"
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode().strip()
