@@ -210,10 +210,12 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         stack.callback(stop_processes, list(services.values()))
         masters = start_engines(config, nats_url, settings, threads, layout)
         stack.callback(_stop_masters, [m.actor for m in masters])
-        http_url = start_gateway(args, nats_url, config, http_port)  # Serve starts while the engines load
-        stack.callback(_stop_gateway, settings.drain_timeout)
+        # The engines first: a split the cluster cannot place fails here, before Serve starts (starting Serve
+        # meanwhile saved about 1 s of the 20 to "up", and made that failure 35 s slower)
         asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
                                      [m.run_ref for m in masters]))
+        http_url = start_gateway(args, nats_url, config, http_port)
+        stack.callback(_stop_gateway, settings.drain_timeout)
         wait_until_healthy(http_url, timeout_s=30.0)
         if layout is not None:  # now, not before: start-up would queue on the control plane's cores
             bind_process_tree(os.getpid(), layout.control, {core for cores in layout.workers for core in cores})

@@ -77,7 +77,8 @@ def lifespan(settings: GatewaySettings, http_requests: Counter):
         from model.arch import load_arch_config, resolve_max_model_len
         from services.bus import connect, drain_quietly, redact_url
 
-        tokenizer = await asyncio.to_thread(load_tokenizer, settings.model, settings.chat_template)
+        tokenizer = await asyncio.to_thread(load_tokenizer, settings.model, settings.chat_template,
+                                           control_plane=True)
         if tokenizer is None:
             raise RuntimeError(f"{settings.model} has no tokenizer files")
         arch = load_arch_config(settings.model)

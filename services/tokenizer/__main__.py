@@ -27,7 +27,7 @@ HOLD_LIMIT_S = 120.0
 
 
 async def main(args: argparse.Namespace) -> None:
-    tokenizer = load_tokenizer(args.model, args.chat_template)
+    tokenizer = load_tokenizer(args.model, args.chat_template, control_plane=True)
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer files")
     vocab_size = load_arch_config(args.model).vocab_size

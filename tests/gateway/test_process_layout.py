@@ -1,6 +1,6 @@
 """Where `orca serve`'s processes run once it is up (a real stack: nats-server, Ray, Serve, the services):
 the model worker alone on its cores, every other thread of the stack on the control plane's, and the
-engine master (control plane: it schedules, the workers run the model) without torch."""
+engine master, the tokenizer service and the gateway replica (the control plane: no model) without torch."""
 
 import os
 
@@ -10,7 +10,8 @@ from services.cpu_binding import descendants, plan_cpu_layout
 from services.serve import default_worker_threads
 
 WORKER = "ray::Worker"
-NO_TORCH = ("ray::EngineMasterActor", "services.admission", "services.jobs", "ray::ServeController", "ray::ProxyActor")
+NO_TORCH = ("ray::EngineMasterActor", "services.tokenizer", "services.admission", "services.jobs", "ray::ServeController",
+            "ray::ProxyActor", "ray::ServeReplica:orca-gateway")
 
 
 def tree(root: int) -> dict[int, str]:
