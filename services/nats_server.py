@@ -19,7 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,10 +103,13 @@ class LocalNatsServer:
         and stop the server."""
         return Path(self.store_dir) / "nats-server.log"
 
-    def start(self, timeout_s: float = 10.0) -> LocalNatsServer:
+    def start(self, timeout_s: float = 10.0, die_with_parent: bool = False) -> LocalNatsServer:
+        """`die_with_parent`: the server gets SIGTERM when the thread that starts it ends (`orca serve`'s
+        main thread, so when `orca serve` dies, however); Linux only, ignored elsewhere."""
         with open(self.log_file, "ab") as log:
             self.process = subprocess.Popen(self._command(), stdout=subprocess.DEVNULL, stderr=log,
-                                            env={**os.environ, **self.environ}, start_new_session=True)
+                                            env={**os.environ, **self.environ}, start_new_session=True,
+                                            preexec_fn=_die_with_parent() if die_with_parent else None)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -274,6 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cluster.cleanup()
     return 0
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that asks Linux to SIGTERM the child when its parent thread ends (PR_SET_PDEATHSIG).
+    libc is loaded here, in the parent: the child, between fork and exec, only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def set_parent_death_signal() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return set_parent_death_signal
 
 
 def kill(process: subprocess.Popen | None) -> None:

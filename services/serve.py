@@ -188,7 +188,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         stack.callback(http_port.release)
         nats_url = args.nats_url
         if nats_url is None:
-            server = LocalNatsServer().start()
+            server = LocalNatsServer().start(die_with_parent=True)  # from the main thread: dies with orca serve
             stack.callback(server.cleanup)
             nats_url = server.url
         # Ray runs actors at niceness 15 by default: the model workers would then yield the CPU to every

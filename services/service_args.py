@@ -22,6 +22,8 @@ def add_service_args(parser: argparse.ArgumentParser, alive_file: str | None = "
     if alive_file is not None:
         parser.add_argument("--alive-file", default=None,
                             help=f"touch this file {alive_file} (for a supervisor's liveness check)")
+        parser.add_argument("--parent-pid", type=int, default=None,
+                            help="stop once this process (the supervisor that started this one) is gone")
     parser.add_argument("--log-level", default="INFO")
 
 

@@ -45,7 +45,7 @@ class SupervisedProcess:
     events: list[str] = field(default_factory=list)
 
     def start(self, now: float) -> SupervisedProcess:
-        extra = ["--alive-file", str(self.alive_file)]
+        extra = ["--alive-file", str(self.alive_file), "--parent-pid", str(os.getpid())]
         pass_fds: tuple[int, ...] = ()
         self.alive_file.unlink(missing_ok=True)
         if self.drained_pipe:

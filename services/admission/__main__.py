@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.admission.service import AdmissionService
-from services import liveness
+from services import liveness, parent_watch
 from services.bus import run_service
 from services.logs import setup_logging
 from services.service_args import add_service_args, run_event_loop
@@ -13,6 +13,7 @@ from shared.flags import add_serve_flags
 
 
 async def main(args: argparse.Namespace) -> None:
+    parent_watch.start(args.parent_pid)  # first: it must work while NATS is unreachable too
     async def start(nc):
         liveness.start(args.alive_file)
         service = AdmissionService(nc, args.max_queue_len, args.no_engine_timeout)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services import liveness
+from services import liveness, parent_watch
 from services.bus import run_service
 from services.jobs.service import JobsService, stream_configs
 from services.logs import setup_logging
@@ -17,6 +17,7 @@ REPLICAS_ENV = "ORCA_JETSTREAM_REPLICAS"
 
 
 async def main(args: argparse.Namespace) -> None:
+    parent_watch.start(args.parent_pid)  # first: it must work while NATS is unreachable too
     async def start(nc):
         liveness.start(args.alive_file)
         service = JobsService(nc, args.concurrency, args.jetstream_replicas, args.jobs_ack_wait)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.tokenizer import load_tokenizer
 from model.arch import load_arch_config
-from services import liveness
+from services import liveness, parent_watch
 from services.bus import run_service, stop_events_on_signals
 from services.cli import add_chat_template_arg
 from services.logs import setup_logging
@@ -27,6 +27,7 @@ HOLD_LIMIT_S = 120.0
 
 
 async def main(args: argparse.Namespace) -> None:
+    parent_watch.start(args.parent_pid)  # first: it must work while NATS is unreachable too
     tokenizer = load_tokenizer(args.model, args.chat_template, control_plane=True)
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer files")
