@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from shared import subjects
+from shared.codec import Codec
+from shared.messages import STATUS_EXPIRY_S, TokenizerStatus
 from tests.reliability.helpers import connect, resumable_stream, tokens_of
 from tests.services.stack import descendants
 
@@ -220,6 +223,47 @@ async def watch_health(http_url: str, fault_at: float, until: asyncio.Event, fig
             if ok and figures["unhealthy_s"] is not None and figures["healthy_again_s"] is None:
                 figures["healthy_again_s"] = now
             await asyncio.sleep(0.1)
+
+
+HEALTH_POLL_SLACK_S = 0.25
+"""A 503 shorter than this can fall between two of watch_health's polls (0.1 s apart, plus the answer)."""
+
+
+class TokenizerBeats:
+    """Every tokenizer heartbeat, by instance: when each instance was first and last heard."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self._codec = Codec(TokenizerStatus)
+        self._nc = None
+
+    async def start(self, nats_url: str) -> None:
+        self._nc = await connect(nats_url)
+        await self._nc.subscribe(subjects.TOKENIZER_STATUS, cb=self._on_status)
+
+    async def stop(self) -> None:
+        await self._nc.close()
+
+    async def _on_status(self, msg) -> None:
+        instance, now = self._codec.decode(msg.data).instance, time.monotonic()
+        self.first.setdefault(instance, now)
+        self.last[instance] = now
+
+    def gap_at(self, fault_at: float) -> float | None:
+        """Seconds between the last heartbeat of the tokenizers heard before the fault and the first
+        of one heard only after it (None: no new tokenizer was heard)."""
+        before = [at for instance, at in self.last.items() if self.first[instance] < fault_at]
+        after = [at for at in self.first.values() if at >= fault_at]
+        if not before or not after:
+            return None
+        return min(after) - min(max(before), fault_at)
+
+    def replaced_unseen(self, fault_at: float) -> bool:
+        """A new tokenizer heartbeat came before the gateway could stop believing the old one's: then
+        /health rightly never says 503 (the outage was shorter than the heartbeat expiry)."""
+        gap = self.gap_at(fault_at)
+        return gap is not None and gap < STATUS_EXPIRY_S + HEALTH_POLL_SLACK_S
 
 
 async def wait_healthy(http_url: str, timeout_s: float) -> None:

@@ -5,7 +5,8 @@ Every row: sent = completed + errored + hung + lost, with lost = 0 and hung = 0;
 for the HTTP responses a dying gateway replica (or Serve proxy, which holds the connections unless
 Serve runs with direct ingress) was writing; every completed request carries the
 in-process engine's greedy tokens (text, over HTTP); /health is 503 within 5 s when what serves is
-gone and 200 again once it is back; a request sent after the fault is served within 30 s, over
+gone and 200 again once it is back (unless it was back, heartbeating, before its last heartbeat
+expired: then nothing could tell the gateway it had gone); a request sent after the fault is served within 30 s, over
 NATS and over HTTP.
 The table is printed by the last test (`-s`) and kept in benchmarks/RELIABILITY.md."""
 
@@ -75,7 +76,10 @@ def test_chaos_row(stack, expected, demo_model, kind, how, goes_unhealthy):
         assert ledger.errored == 0, ledger.problems
     assert out["served_after_s"] is not None and out["served_after_s"] <= SERVED_WITHIN_S, out
     assert out["http_served_after_s"] is not None and out["http_served_after_s"] <= SERVED_WITHIN_S, out
-    if goes_unhealthy:
+    if goes_unhealthy and figures["unhealthy_s"] is None and out["tokenizer_gap_s"] is not None:
+        # a tokenizer back before its last heartbeat expired: nothing told the gateway it was gone
+        assert out["tokenizer_gap_s"] < chaos.STATUS_EXPIRY_S + chaos.HEALTH_POLL_SLACK_S, out
+    elif goes_unhealthy:
         assert figures["unhealthy_s"] is not None and figures["unhealthy_s"] <= UNHEALTHY_WITHIN_S, figures
         assert figures["healthy_again_s"] is not None, figures
     elif goes_unhealthy is False:
@@ -90,6 +94,8 @@ async def one_row(stack, expected, demo_model, kind: str, how: str, label: str) 
     await chaos.wait_healthy(stack.http_url, 120)
     tokens, texts = expected
     load = chaos.Load(stack.nats_url, stack.http_url, tokens, texts, label)
+    beats = chaos.TokenizerBeats()  # heard through the warm-up, so the last beat before the fault is known
+    await beats.start(stack.nats_url)
     await load.start()
     await asyncio.sleep(WARMUP_S)
     jobs = await start_jobs(stack, label) if kind == "jobs" else None
@@ -107,11 +113,13 @@ async def one_row(stack, expected, demo_model, kind: str, how: str, label: str) 
     await load.stop()
     done.set()
     await health
+    await beats.stop()
     still_stopped = _stopped(pid) if how == "stop" else None
     if how == "stop":
         chaos.release(pid)
     out = {"ledger": load.ledger, "figures": figures, "served_after_s": load.ledger.served_after(fault_at),
-           "http_served_after_s": load.ledger.served_after(fault_at, "http"), "still_stopped": still_stopped}
+           "http_served_after_s": load.ledger.served_after(fault_at, "http"), "still_stopped": still_stopped,
+           "tokenizer_gap_s": beats.gap_at(fault_at) if kind == "tokenizer" else None}
     if jobs is not None:
         out["jobs"] = await finish_jobs(stack, jobs, demo_model)
         out["jobs"]["done_s"] = round(time.monotonic() - fault_at, 1)
