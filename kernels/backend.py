@@ -45,7 +45,8 @@ CPU_OPS = dataclasses.replace(TORCH_OPS, attention=attention_cpu.ragged_attentio
                               gelu_tanh=activations.gelu_tanh_cpu)
 CPU_OPS_FLOAT32 = dataclasses.replace(CPU_OPS, rms_norm=token_ops_cpu.rms_norm_cpu,
                                       apply_rotary=token_ops_cpu.apply_rotary_cpu,
-                                      write_kv=token_ops_cpu.write_kv_cpu)
+                                      write_kv=token_ops_cpu.write_kv_cpu,
+                                      silu_and_mul=token_ops_cpu.silu_and_mul_cpu)
 CPU_OP_SETS = (CPU_OPS, CPU_OPS_FLOAT32)
 
 

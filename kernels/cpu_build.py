@@ -52,7 +52,8 @@ def load(name: str) -> ctypes.CDLL | None:
         log.warning("no C compiler found: the %s CPU kernel falls back to torch (slower)", name)
         return None
     source = (CSRC / f"{name}.c").read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(),
+    headers = b"".join(path.read_bytes() for path in sorted(CSRC.glob("*.h")))
+    key = hashlib.sha256(b"\0".join([source, headers, " ".join(FLAGS).encode(), compiler.encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = env.cache_dir() / "kernels" / f"{name}-{key}.so"
     if not target.is_file():

@@ -1,7 +1,7 @@
 """The token-wise ops of a layer on the CPU in float32, one compiled call each (kernels/csrc/token_ops.c).
 
 Same signatures and results (to float32 rounding) as the torch versions in kernels/norms.py,
-kernels/rotary.py and kernels/kv_cache.py, which stay their references, the
+kernels/rotary.py, kernels/kv_cache.py and kernels/activations.py (SwiGLU), which stay their references, the
 float64 path (bit for bit with transformers) and the fallback where no C compiler is at hand. What
 they save is dispatch: at decode sizes a torch RMSNorm is nine ops, a rotary fourteen, each costing
 more than its arithmetic; here each is one call.
@@ -21,6 +21,7 @@ _SIGNATURES = {
     "rms_norm_f32": [_PTR] * 5 + [_I64] * 2 + [ctypes.c_double],
     "rotary_f32": [_PTR] * 5 + [_I64] * 8,
     "write_kv_f32": [_PTR] * 5 + [_I64] * 7,
+    "silu_and_mul_f32": [_PTR] * 2 + [_I64] * 3,
 }
 
 
@@ -88,6 +89,18 @@ def apply_rotary_cpu(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, 
     _function("rotary_f32")(query.data_ptr(), key.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             positions.data_ptr(), tokens, num_q_heads, key.shape[1], head_dim,
                             query.stride(0), query.stride(1), key.stride(0), key.stride(1))
+
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+    """silu(gate) * up of the fused gate/up projection (unit column stride): as
+    kernels.activations.silu_and_mul_torch."""
+    if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError(f"silu_and_mul_cpu takes float32 (T, 2I) with unit column stride, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    _function("silu_and_mul_f32")(out.data_ptr(), x.data_ptr(), rows, inter, x.stride(0))
+    return out
 
 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import kv_cache, norms, rotary, token_ops_cpu
+from kernels import activations, kv_cache, norms, rotary, token_ops_cpu
 
 pytestmark = pytest.mark.skipif(not token_ops_cpu.available(), reason="no C compiler")
 
@@ -59,7 +59,25 @@ def test_write_kv_matches_torch_into_scattered_slots(tokens):
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
 
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_and_mul_matches_torch(tokens):
+    torch.manual_seed(tokens)
+    x = torch.randn(tokens, 2 * 688) * 6  # gates well past the exp's range reduction, both signs
+    x[:, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])
+    torch.testing.assert_close(token_ops_cpu.silu_and_mul_cpu(x), activations.silu_and_mul_torch(x),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_silu_and_mul_reads_a_strided_projection():
+    wide = torch.randn(5, 2 * 96 + 8)  # rows of a wider buffer: row stride 200, columns 0..191
+    x = wide[:, :2 * 96]
+    torch.testing.assert_close(token_ops_cpu.silu_and_mul_cpu(x), activations.silu_and_mul_torch(x),
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="unit column stride"):
+        token_ops_cpu.silu_and_mul_cpu(torch.randn(4, 6).t())
     with pytest.raises(ValueError, match="float32"):
         token_ops_cpu.rms_norm_cpu(torch.randn(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6)
     _, q, k, v = fused_qkv(3)
