@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import nats
 
+from services import cpu_binding
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -104,27 +106,14 @@ async def engine_statuses(nats_url: str, seconds: float = 1.5) -> dict[str, obje
 
 
 def descendants(pid: int) -> list[tuple[int, str]]:
-    """(pid, command line) of every process below `pid`, read from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """(pid, command line) of every process below `pid` still running, read from /proc."""
+    found = []
+    for child in sorted(cpu_binding.descendants(pid)):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            try:
-                with open(f"/proc/{child}/cmdline", "rb") as f:
-                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                continue
-            found.append((child, cmdline))
-            todo.append(child)
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found.append((child, f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
+        except OSError:
+            continue  # ended meanwhile
     return found
 
 
