@@ -20,19 +20,12 @@ def test_packed_linear_equals_nn_linear(rows, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_a_large_weight_equals_nn_linear_on_the_packed_path(rows):
+def test_a_large_weight_equals_nn_linear(rows):
     torch.manual_seed(0)
-    linear = nn.Linear(640, 4096, bias=False)  # 10 MiB: past DENSE_ROW_MAX_BYTES
-    packed = PackedLinear(linear)
-    assert not packed.dense_single_row
+    linear = nn.Linear(640, 4096, bias=False)  # 10 MiB, past any cache
     x = torch.randn(rows, 640)
     with torch.inference_mode():
-        torch.testing.assert_close(packed(x), linear(x), atol=1e-4, rtol=1e-4)
-
-
-def test_only_a_small_weight_keeps_the_dense_single_row_path():
-    assert PackedLinear(nn.Linear(96, 200)).dense_single_row
-    assert not PackedLinear(nn.Linear(1024, 4096)).dense_single_row  # 16 MiB
+        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), atol=1e-4, rtol=1e-4)
 
 
 def test_pack_linears_replaces_plain_linears_only():
