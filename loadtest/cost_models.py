@@ -96,9 +96,11 @@ class LinearCostModel:
     d: float
     """Seconds per token of context a decode reads (attention over its KV)."""
     e: float = 0.0
+    """Seconds per (query, key) pair of prompt attention (benchmarks/fit_cost_model.py fits without it: 0)."""
     max_model_len: int = 1024
     default_kv_cache_tokens: int = 65536
     note: str = ""
+    """How it was fitted and its held-out error (`benchmarks/fit_cost_model.py` writes it)."""
 
     def iteration_time(self, shapes: list[IterationShape], pipelined: bool = True) -> float:
         """`pipelined` is ignored: the model was fitted on one process."""

@@ -73,11 +73,14 @@ class EngineStatus(msgspec.Struct, frozen=True):
     """Free blocks minus those its own waiting requests will reserve."""
     num_running: int
     num_waiting: int
+    """Admitted requests the engine holds but does not run yet (waiting for KV or a batch slot)."""
     max_num_seqs: int
     max_model_len: int
     last_admit_sequence: int
+    """The last Admit it applied: admission counts the ones after it as still in flight."""
     iteration: int
     kv_used_blocks: int
+    """Blocks some request holds (cached blocks no request holds count as free)."""
     num_preemptions: int = 0
     """Requests sent back to wait (KV ran out, or a worker died and they resume by recompute)."""
     steps: int = 0
