@@ -64,7 +64,10 @@ async def connect(url: str, name: str) -> Client:
         log.warning("%s: NATS error: %s", name, exc)
 
     async def on_disconnect() -> None:
-        log.warning("%s: disconnected from NATS", name)
+        if nc.is_closed:  # closed on purpose (nats.py calls this on close too): nothing is wrong
+            log.debug("%s: closed its NATS connection", name)
+        else:
+            log.warning("%s: disconnected from NATS", name)
 
     async def reconnected() -> None:
         log.info("%s: reconnected to NATS at %s", name, nc.connected_url.netloc if nc.connected_url else "?")

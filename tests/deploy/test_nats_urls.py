@@ -6,6 +6,7 @@ cluster through a server that is down."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -84,5 +85,33 @@ def test_connect_reaches_a_listed_server_when_another_is_down():
                 await nc.close()
         for _ in range(3):
             assert asyncio.run(go()) == f"127.0.0.1:{server.port}"
+    finally:
+        server.cleanup()
+
+
+def test_closing_on_purpose_warns_of_nothing_and_losing_the_server_warns(caplog):
+    """`orca serve`'s start-up probe closes its connection: no "disconnected" warning for that (a new
+    user took it for a fault); a server that goes away still gets one."""
+    server = LocalNatsServer().start()
+    try:
+        async def close_on_purpose() -> None:
+            nc = await bus.connect(server.url, "probe")
+            await nc.close()
+
+        async def lose_the_server() -> None:
+            nc = await bus.connect(server.url, "service")
+            server.cleanup()
+            for _ in range(100):
+                if any("service: disconnected" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.05)
+            await nc.close()
+
+        with caplog.at_level(logging.DEBUG, logger="orca.bus"):
+            asyncio.run(close_on_purpose())
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+            assert "probe: closed its NATS connection" in caplog.text
+            asyncio.run(lose_the_server())
+        assert [r.levelname for r in caplog.records if "service: disconnected" in r.getMessage()] == ["WARNING"]
     finally:
         server.cleanup()
