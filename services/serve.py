@@ -199,6 +199,10 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
                  configure_logging=False)
+        if args.log_level != "DEBUG":  # Serve's INFO lines name its unused proxy's port, not the gateway's
+            import ray.serve  # noqa: F401 - its import sets its logger to INFO: quieten it after
+
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
         stack.callback(ray.shutdown)
         # After ray.init, which installs handlers of its own; children run in their own sessions so a
         # terminal's Ctrl-C reaches only this process, which then stops them in order.
@@ -215,7 +219,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
                                      [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config, http_port)
-        stack.callback(_stop_gateway, settings.drain_timeout)
+        stack.callback(_stop_gateway, settings.drain_timeout, owns_cluster=args.ray_address is None)
         wait_until_healthy(http_url, timeout_s=30.0)
         if layout is not None:  # now, not before: start-up would queue on the control plane's cores
             bind_process_tree(os.getpid(), layout.control, {core for cores in layout.workers for core in cores})
@@ -279,9 +283,11 @@ def wait_until_healthy(http_url: str, timeout_s: float) -> None:
     print(f"  /health is not 200 yet after {timeout_s:.0f} s: {reason}", flush=True)
 
 
-def _stop_gateway(timeout_s: float) -> None:
+def _stop_gateway(timeout_s: float, owns_cluster: bool) -> None:
     """Let the gateway finish the HTTP responses it is writing (for up to `timeout_s`), then stop Serve.
-    Until then it stays up and answers new requests with the tokenizer's 503 refusal."""
+    Until then it stays up and answers new requests with the tokenizer's 503 refusal. On a local Ray
+    (`owns_cluster`) Serve goes with the cluster at `ray.shutdown`: `serve.shutdown` would only add
+    3 s and Ray's "graceful_shutdown failed ... will be retried" lines to every stop."""
     from ray import serve
 
     try:
@@ -292,6 +298,8 @@ def _stop_gateway(timeout_s: float) -> None:
         time.sleep(GATEWAY_FLUSH_S)
     except Exception as exc:  # noqa: BLE001 - best effort; Serve stops either way
         log.warning("could not wait for the gateway's open requests: %s", exc)
+    if owns_cluster:
+        return
     try:
         serve.shutdown()
     except Exception:  # noqa: BLE001 - best effort; ray.shutdown follows

@@ -14,3 +14,7 @@ def gateway(demo_model):
                           "--worker-threads", "1", "--served-model-name", MODEL_NAME])
     yield serve
     assert serve.stop() == 0
+    # what a user reads: no Ray Serve INFO line naming its unused proxy's port as if it served, no
+    # "graceful_shutdown failed ... will be retried" from serve.shutdown on a cluster ray.shutdown ends
+    noise = [line for line in serve.log if "is ready at http" in line or "will be retried" in line]
+    assert not noise, noise
