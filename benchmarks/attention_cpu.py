@@ -1,9 +1,9 @@
-"""The CPU attention kernel (kernels/csrc/ragged_attention.c) alone, on batches shaped like serving's.
+"""The CPU attention kernel (kernels/orca_kernels/csrc/ragged_attention.c) alone, on batches shaped like serving's.
 
 Each case builds four layers' K/V caches (blocks scattered at random, as a long-running cache's are) and
 calls the kernel on them in turn, so every call reads its cache from memory as a model step does, not
 from the last call's cache lines. Prints the best of `--repeats` means, in ms per call, for the C
-kernel and for the torch path it replaced (`kernels.attention.ragged_attention_torch`), and the
+kernel and for the torch path it replaced (`orca_kernels.attention.ragged_attention_torch`), and the
 largest difference between the two:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python benchmarks/attention_cpu.py
@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from kernels.attention import ragged_attention_torch  # noqa: E402
-from kernels.attention_cpu import ragged_attention_cpu  # noqa: E402
+from orca_kernels.attention import ragged_attention_torch  # noqa: E402
+from orca_kernels.attention_cpu import ragged_attention_cpu  # noqa: E402
 
 LAYERS = 4
 

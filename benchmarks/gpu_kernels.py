@@ -136,7 +136,7 @@ def _compare(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float
 
 
 def check_attention(cases: list[AttentionCase]) -> list[Check]:
-    from kernels.attention import attention_dense_reference, ragged_attention_torch, ragged_attention_triton
+    from orca_kernels.attention import attention_dense_reference, ragged_attention_torch, ragged_attention_triton
 
     checks = []
     for case in cases:
@@ -149,7 +149,7 @@ def check_attention(cases: list[AttentionCase]) -> list[Check]:
 
 
 def check_pointwise() -> list[Check]:
-    from kernels import activations, kv_cache, norms, rotary
+    from orca_kernels import activations, kv_cache, norms, rotary
 
     checks = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -211,7 +211,7 @@ def _bench(fn: Callable[[], object]) -> float:
 
 
 def bench_attention() -> list[Timing]:
-    from kernels.attention import ragged_attention_torch, ragged_attention_triton
+    from orca_kernels.attention import ragged_attention_torch, ragged_attention_triton
 
     scenarios = {
         "decode B=64 ctx=2048": [(1, 2048)] * 64,
@@ -240,7 +240,7 @@ def bench_attention() -> list[Timing]:
 
 
 def bench_pointwise() -> list[Timing]:
-    from kernels import activations, kv_cache, norms, rotary
+    from orca_kernels import activations, kv_cache, norms, rotary
 
     dt, T = torch.bfloat16, 8192
     x, r = (torch.randn(T, 4096, device="cuda", dtype=dt) for _ in range(2))

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.fx.experimental._config
 
-from kernels.backend import TRITON_OPS, KernelOps
+from orca_kernels.backend import TRITON_OPS, KernelOps
 from model.metadata import AttentionMetadata
 
 log = logging.getLogger("orca.model")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.backend import KernelOps
+from orca_kernels.backend import KernelOps
 from model.arch import ArchConfig
 from model.metadata import AttentionMetadata
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
-from kernels.backend import CPU_OP_SETS, get_kernel_ops
+from orca_kernels.backend import CPU_OP_SETS, get_kernel_ops
 from model.distributed import ParallelGroups
 from model.loader import load_model, resolve_dtype
 from model.compiled import CompiledForward, warm_up

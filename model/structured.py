@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.token_bitmask import apply_token_bitmask
+from orca_kernels.token_bitmask import apply_token_bitmask
 from shared.structured import StructuredOutputs
 
 if TYPE_CHECKING:

@@ -77,7 +77,7 @@ def _triton_skip_reason() -> str | None:
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
         return "triton is not installed"
-    from kernels import attention
+    from orca_kernels import attention
 
     if not isinstance(attention._ragged_attention_kernel, InterpretedFunction):
         return "kernels/ was imported before TRITON_INTERPRET=1 was set (collect tests/kernels first, or alone)"

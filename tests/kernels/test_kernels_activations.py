@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activations import gelu_tanh_torch, gelu_tanh_triton, silu_and_mul_torch, silu_and_mul_triton
+from orca_kernels.activations import gelu_tanh_torch, gelu_tanh_triton, silu_and_mul_torch, silu_and_mul_triton
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -46,7 +46,7 @@ def test_gelu_tanh_triton(shape, dtype):
 
 @pytest.mark.parametrize("rows", [1, 7, 256])
 def test_gelu_tanh_cpu_equals_the_reference(rows):
-    from kernels.activations import gelu_tanh_cpu
+    from orca_kernels.activations import gelu_tanh_cpu
 
     x = torch.randn(rows, 1024) * 4
     torch.testing.assert_close(gelu_tanh_cpu(x), gelu_tanh_torch(x), atol=1e-6, rtol=1e-5)

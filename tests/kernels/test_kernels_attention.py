@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import attention_cpu
-from kernels.attention import (
+from orca_kernels import attention_cpu
+from orca_kernels.attention import (
     attention_dense_reference,
     ragged_attention_torch,
     ragged_attention_triton,

@@ -1,12 +1,12 @@
-"""What is particular to the C CPU attention kernel (kernels/csrc/ragged_attention.c); its agreement
+"""What is particular to the C CPU attention kernel (kernels/orca_kernels/csrc/ragged_attention.c); its agreement
 with the dense reference is tested beside the torch path's in test_kernels_attention.py."""
 
 import pytest
 import torch
 
-from kernels import attention_cpu
-from kernels.attention import attention_dense_reference
-from kernels.attention_cpu import ragged_attention_cpu
+from orca_kernels import attention_cpu
+from orca_kernels.attention import attention_dense_reference
+from orca_kernels.attention_cpu import ragged_attention_cpu
 from tests.kernels.test_kernels_attention import MIXED, _assert_close
 
 pytestmark = pytest.mark.skipif(not attention_cpu.available(torch.float32), reason="no C compiler here")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import backend
-from kernels.backend import KernelOps, get_kernel_ops
+from orca_kernels import backend
+from orca_kernels.backend import KernelOps, get_kernel_ops
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def test_cpu_attention_falls_back_to_torch_without_a_compiler():
     code = """
 import shutil
 shutil.which = lambda name: None  # no cc, gcc or clang
-from kernels.backend import TORCH_OPS, get_kernel_ops
+from orca_kernels.backend import TORCH_OPS, get_kernel_ops
 assert get_kernel_ops("auto", "cpu") is TORCH_OPS
 """
     result = _run_python(code, {"ORCA_CACHE_DIR": "/nonexistent-orca-cache"})
@@ -78,7 +78,7 @@ import sys
 sys.modules["triton"] = None  # makes `import triton` raise ImportError
 import pytest
 import torch
-from kernels.backend import get_kernel_ops
+from orca_kernels.backend import get_kernel_ops
 ops = get_kernel_ops("auto", "cuda")
 assert ops.attention.__name__ == "ragged_attention_torch"
 out, _ = ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-6)
@@ -93,7 +93,7 @@ with pytest.raises(ValueError, match="not installed"):
 def test_triton_on_cpu_needs_interpreter():
     code = """
 import pytest
-from kernels.backend import get_kernel_ops
+from orca_kernels.backend import get_kernel_ops
 with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
     get_kernel_ops("triton", "cpu")
 """

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.activations import gelu_tanh_torch, silu_and_mul_torch
-from kernels.norms import layer_norm_torch, rms_norm_torch
-from kernels.rotary import apply_rotary_torch
+from orca_kernels.activations import gelu_tanh_torch, silu_and_mul_torch
+from orca_kernels.norms import layer_norm_torch, rms_norm_torch
+from orca_kernels.rotary import apply_rotary_torch
 
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 hf_activations = pytest.importorskip("transformers.activations")

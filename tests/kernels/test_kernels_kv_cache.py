@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.kv_cache import write_kv_torch, write_kv_triton
+from orca_kernels.kv_cache import write_kv_torch, write_kv_triton
 
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.norms import layer_norm_torch, layer_norm_triton, rms_norm_torch, rms_norm_triton
+from orca_kernels.norms import layer_norm_torch, layer_norm_triton, rms_norm_torch, rms_norm_triton
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

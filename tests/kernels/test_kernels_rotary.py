@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.rotary import apply_rotary_torch, apply_rotary_triton
+from orca_kernels.rotary import apply_rotary_torch, apply_rotary_triton
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -1,4 +1,4 @@
-"""The compiled token-bitmask kernel (kernels/csrc/token_bitmask.c) against its torch reference."""
+"""The compiled token-bitmask kernel (kernels/orca_kernels/csrc/token_bitmask.c) against its torch reference."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import cpu_build
-from kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_torch
+from orca_kernels import cpu_build
+from orca_kernels.token_bitmask import apply_token_bitmask, apply_token_bitmask_torch
 
 pytestmark = pytest.mark.skipif(cpu_build.load("token_bitmask") is None, reason="no C compiler here")
 

@@ -1,11 +1,11 @@
-"""The compiled CPU token ops (kernels/csrc/token_ops.c) against their torch references."""
+"""The compiled CPU token ops (kernels/orca_kernels/csrc/token_ops.c) against their torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import activations, kv_cache, norms, rotary, token_ops_cpu
+from orca_kernels import activations, kv_cache, norms, rotary, token_ops_cpu
 
 pytestmark = pytest.mark.skipif(not token_ops_cpu.available(), reason="no C compiler")
 

@@ -1,4 +1,4 @@
-"""Builds the C kernels in kernels/csrc on first use and loads them with ctypes.
+"""Builds the C kernels in kernels/orca_kernels/csrc on first use and loads them with ctypes.
 
 A C compiler is all it needs (no torch headers, so a build takes about a second). The shared object
 is cached under the orca-serve cache directory, keyed by the source, the flags, the compiler and the
@@ -46,7 +46,7 @@ def _compiler() -> str | None:
 
 @cache
 def load(name: str) -> ctypes.CDLL | None:
-    """kernels/csrc/<name>.c built and loaded, or None where it cannot be built here."""
+    """kernels/orca_kernels/csrc/<name>.c built and loaded, or None where it cannot be built here."""
     compiler = _compiler()
     if compiler is None:
         log.warning("no C compiler found: the %s CPU kernel falls back to torch (slower)", name)

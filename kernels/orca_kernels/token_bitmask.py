@@ -1,5 +1,5 @@
 """Applying structured outputs' token bitmask to an iteration's logits: every token whose bit is clear
-becomes -inf. The compiled CPU kernel (kernels/csrc/token_bitmask.c) for float32 and float64 logits on
+becomes -inf. The compiled CPU kernel (kernels/orca_kernels/csrc/token_bitmask.c) for float32 and float64 logits on
 the CPU, whose work follows the refused tokens; torch (`apply_token_bitmask_torch`, its reference) for
 every other dtype and device, and where no C compiler is at hand."""
 
@@ -10,7 +10,7 @@ import ctypes
 import numpy as np
 import torch
 
-from kernels import cpu_build
+from orca_kernels import cpu_build
 
 _DTYPES = {torch.float32: "apply_token_bitmask_f32", torch.float64: "apply_token_bitmask_f64"}
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,

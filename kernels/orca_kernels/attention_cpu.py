@@ -1,6 +1,6 @@
-"""Ragged paged attention on the CPU in one compiled call per layer (kernels/csrc/ragged_attention.c).
+"""Ragged paged attention on the CPU in one compiled call per layer (kernels/orca_kernels/csrc/ragged_attention.c).
 
-Same arguments and result as `kernels.attention.ragged_attention_torch`, which stays its reference
+Same arguments and result as `orca_kernels.attention.ragged_attention_torch`, which stays its reference
 and the fallback where no C compiler is at hand. One call covers every request of the iteration,
 prompt chunks and decodes alike, reading K/V straight from the paged cache through the block
 tables: no Python per request, no gather, scattered blocks as fast as consecutive ones.
@@ -12,8 +12,8 @@ import ctypes
 
 import torch
 
-from kernels import cpu_build
-from kernels.attention import _check_attention_args
+from orca_kernels import cpu_build
+from orca_kernels.attention import _check_attention_args
 
 _DTYPES = {torch.float32: "ragged_attention_f32", torch.float64: "ragged_attention_f64"}
 _ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 9 + [ctypes.c_double]
@@ -37,7 +37,7 @@ def ragged_attention_cpu(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          scale: float, *, max_query_len: int | None = None,
                          max_seq_len: int | None = None) -> torch.Tensor:
-    """Arguments and result as `kernels.attention.ragged_attention_torch`'s; `query` may have any token and
+    """Arguments and result as `orca_kernels.attention.ragged_attention_torch`'s; `query` may have any token and
     head strides (unit stride along head_dim). `max_query_len` is not needed here; `max_seq_len`, when
     the caller knows it, saves a reduction."""
     _check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import activations, attention, attention_cpu, kv_cache, norms, rotary, token_ops_cpu
+from orca_kernels import activations, attention, attention_cpu, kv_cache, norms, rotary, token_ops_cpu
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""The token-wise ops of a layer on the CPU in float32, one compiled call each (kernels/csrc/token_ops.c).
+"""The token-wise ops of a layer on the CPU in float32, one compiled call each (kernels/orca_kernels/csrc/token_ops.c).
 
-Same signatures and results (to float32 rounding) as the torch versions in kernels/norms.py,
-kernels/rotary.py, kernels/kv_cache.py and kernels/activations.py (SwiGLU), which stay their references, the
+Same signatures and results (to float32 rounding) as the torch versions in kernels/orca_kernels/norms.py,
+kernels/orca_kernels/rotary.py, kernels/orca_kernels/kv_cache.py and kernels/orca_kernels/activations.py (SwiGLU), which stay their references, the
 float64 path (bit for bit with transformers) and the fallback where no C compiler is at hand. What
 they save is dispatch: at decode sizes a torch RMSNorm is nine ops, a rotary fourteen, each costing
 more than its arithmetic; here each is one call.
@@ -14,7 +14,7 @@ from functools import cache
 
 import torch
 
-from kernels import cpu_build
+from orca_kernels import cpu_build
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
@@ -51,7 +51,7 @@ def _function(name: str) -> ctypes._CFuncPtr:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    # Only the dtype is checked per call (cheap); kernels/backend.py picks these ops for cpu float32 models.
+    # Only the dtype is checked per call (cheap); kernels/orca_kernels/backend.py picks these ops for cpu float32 models.
     if t.dtype is not torch.float32:
         raise ValueError(f"the CPU token ops take float32 tensors, got {t.dtype}")
     return t.contiguous()
@@ -59,7 +59,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * s / rms(s), s) with s = x + residual (or x): as kernels.norms.rms_norm_torch."""
+    """(weight * s / rms(s), s) with s = x + residual (or x): as orca_kernels.norms.rms_norm_torch."""
     x, weight = _rows(x), _rows(weight)
     rows, hidden = x.shape
     out = torch.empty_like(x)
@@ -76,7 +76,7 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def apply_rotary_cpu(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      positions: torch.Tensor) -> None:
     """query (T, nh, hd) and key (T, nkv, hd), strided views allowed, rotated in place: as
-    kernels.rotary.apply_rotary_torch."""
+    orca_kernels.rotary.apply_rotary_torch."""
     tokens, num_q_heads, head_dim = query.shape
     if key.shape[0] != tokens or key.shape[2] != head_dim or query.stride(2) != 1 or key.stride(2) != 1:
         raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} need one token count, "
@@ -93,7 +93,7 @@ def apply_rotary_cpu(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
     """silu(gate) * up of the fused gate/up projection (unit column stride): as
-    kernels.activations.silu_and_mul_torch."""
+    orca_kernels.activations.silu_and_mul_torch."""
     if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(f"silu_and_mul_cpu takes float32 (T, 2I) with unit column stride, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -105,7 +105,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
 
 def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-    """Each token's K/V row (strided views allowed) into its slot, in place: as kernels.kv_cache.write_kv_torch."""
+    """Each token's K/V row (strided views allowed) into its slot, in place: as orca_kernels.kv_cache.write_kv_torch."""
     tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or k_cache.shape != v_cache.shape or k_cache.shape[2:] != key.shape[1:]:
         raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit key {tuple(key.shape)} / value "
