@@ -28,6 +28,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from services.cpu_binding import CpuLayout, available_cpus, bind_process_tree, can_bind, plan_cpu_layout
+from services.local_ray import RayCluster
 from services.ports import PortReservation
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
@@ -197,13 +198,14 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         # Serve checks its HTTP proxy every 10 s and restarts it after three failed checks: half a
         # minute without HTTP after the proxy dies. Every 2 s brings that under 10 s (a local Ray only).
         os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
+        cluster = RayCluster(owned=args.ray_address is None)
         ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
                  configure_logging=False)
         if args.log_level != "DEBUG":  # Serve's INFO lines name its unused proxy's port, not the gateway's
             import ray.serve  # noqa: F401 - its import sets its logger to INFO: quieten it after
 
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
-        stack.callback(ray.shutdown)
+        stack.callback(cluster.shutdown)
         # After ray.init, which installs handlers of its own; children run in their own sessions so a
         # terminal's Ctrl-C reaches only this process, which then stops them in order.
         signal.signal(signal.SIGTERM, on_signal)
@@ -213,13 +215,13 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         services = start_services(settings, nats_url, config, run_dir)
         stack.callback(stop_processes, list(services.values()))
         masters = start_engines(config, nats_url, settings, threads, layout)
-        stack.callback(_stop_masters, [m.actor for m in masters])
+        stack.callback(_stop_masters, [m.actor for m in masters], cluster)
         # The engines first: a split the cluster cannot place fails here, before Serve starts (starting Serve
         # meanwhile saved about 1 s of the 20 to "up", and made that failure 35 s slower)
         asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
                                      [m.run_ref for m in masters]))
         http_url = start_gateway(args, nats_url, config, http_port)
-        stack.callback(_stop_gateway, settings.drain_timeout, owns_cluster=args.ray_address is None)
+        stack.callback(_stop_gateway, settings.drain_timeout, cluster)
         wait_until_healthy(http_url, timeout_s=30.0)
         if layout is not None:  # now, not before: start-up would queue on the control plane's cores
             bind_process_tree(os.getpid(), layout.control, {core for cores in layout.workers for core in cores})
@@ -236,9 +238,11 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         while not stop["now"]:
             supervise(list(services.values()), masters)
             time.sleep(0.2)
+        cluster.check_gone()  # first: a gone cluster's leftovers would slow the drain
         print("orca-serve: draining", file=sys.stderr, flush=True)
         _drain(services["tokenizer"], services["jobs"], settings.drain_timeout)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
+    cluster.exit_now_if_gone(0)
     return 0
 
 
@@ -283,13 +287,15 @@ def wait_until_healthy(http_url: str, timeout_s: float) -> None:
     print(f"  /health is not 200 yet after {timeout_s:.0f} s: {reason}", flush=True)
 
 
-def _stop_gateway(timeout_s: float, owns_cluster: bool) -> None:
+def _stop_gateway(timeout_s: float, cluster: RayCluster) -> None:
     """Let the gateway finish the HTTP responses it is writing (for up to `timeout_s`), then stop Serve.
     Until then it stays up and answers new requests with the tokenizer's 503 refusal. On a local Ray
-    (`owns_cluster`) Serve goes with the cluster at `ray.shutdown`: `serve.shutdown` would only add
+    (`cluster.owned`) Serve goes with the cluster at `ray.shutdown`: `serve.shutdown` would only add
     3 s and Ray's "graceful_shutdown failed ... will be retried" lines to every stop."""
     from ray import serve
 
+    if cluster.gone:
+        return  # the gateway died with it
     try:
         gateway = serve.get_app_handle("orca-gateway")
         deadline = time.monotonic() + timeout_s
@@ -298,7 +304,7 @@ def _stop_gateway(timeout_s: float, owns_cluster: bool) -> None:
         time.sleep(GATEWAY_FLUSH_S)
     except Exception as exc:  # noqa: BLE001 - best effort; Serve stops either way
         log.warning("could not wait for the gateway's open requests: %s", exc)
-    if owns_cluster:
+    if cluster.owned:
         return
     try:
         serve.shutdown()
@@ -326,9 +332,11 @@ def _drain(tokenizer: SupervisedProcess, jobs: SupervisedProcess, timeout_s: flo
         jobs.process.wait()
 
 
-def _stop_masters(masters: list) -> None:
+def _stop_masters(masters: list, cluster: RayCluster) -> None:
     import ray
 
+    if cluster.gone:
+        return  # they died with it
     try:
         ray.get([m.stop.remote() for m in masters], timeout=10)
     except Exception:  # noqa: BLE001 - best effort; ray.shutdown follows

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import signal
+import time
 
 import nats
 import pytest
@@ -12,7 +15,7 @@ import pytest
 from engine.batch_job import run_batch
 from engine.llm_engine import LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tests.services.stack import OrcaServe, engine_statuses, kill_while_streaming, stream, worker_pids
+from tests.services.stack import OrcaServe, descendants, engine_statuses, kill_while_streaming, stream, worker_pids
 
 pytestmark = pytest.mark.slow
 
@@ -252,3 +255,39 @@ def test_structured_outputs_over_nats_match_their_constraints(stack):
             assert re.fullmatch("[a-z]{3}-[0-9]{2,4}", text), text
         else:
             assert text in ("alpha", "beta", "gamma")
+
+
+def test_a_sigterm_to_its_whole_process_group_stops_everything_in_seconds(stack):
+    """Last in the module: it stops the stack. `kill -- -PGID`, and systemd stopping a unit (its default
+    KillMode signals the whole cgroup), SIGTERM Ray's head processes along with `orca serve`: the stop
+    then blocked on the dead GCS until Ray's 60 s timeout killed it (exit 1), and the jobs service spun
+    in its interpreter's final garbage collection until it was killed."""
+    started = [pid for pid, _ in descendants(stack.process.pid)]
+    assert len(started) >= 8  # nats-server, three services, Ray's head, the engines' and Serve's actors
+    began = time.monotonic()
+    os.killpg(stack.process.pid, signal.SIGTERM)
+    assert stack.process.wait(timeout=60) == 0
+    took = time.monotonic() - began
+    assert took < 15, f"the stop took {took:.1f} s"
+    assert any("skipping what died with it" in line for line in stack.log), "".join(stack.log[-30:])
+    deadline = time.monotonic() + 5
+    while (left := [pid for pid in started if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, [cmdline(pid) for pid in left]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child of a process that has exited waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid} (gone)"
