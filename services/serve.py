@@ -240,7 +240,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
             time.sleep(0.2)
         cluster.check_gone()  # first: a gone cluster's leftovers would slow the drain
         print("orca-serve: draining", file=sys.stderr, flush=True)
-        _drain(services["tokenizer"], services["jobs"], settings.drain_timeout)
+        _drain(services["tokenizer"], services["jobs"], settings.drain_timeout, at_once=cluster.gone)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     cluster.exit_now_if_gone(0)
     return 0
@@ -312,14 +312,20 @@ def _stop_gateway(timeout_s: float, cluster: RayCluster) -> None:
         pass
 
 
-def _drain(tokenizer: SupervisedProcess, jobs: SupervisedProcess, timeout_s: float) -> None:
+def _drain(tokenizer: SupervisedProcess, jobs: SupervisedProcess, timeout_s: float, at_once: bool = False) -> None:
     """SIGTERM the services that take requests in: they finish what they hold within `timeout_s`,
     while everything behind them (admission, engines, NATS) still runs. The jobs service then exits;
     the tokenizer says "drained" on its pipe and keeps refusing new requests (a clear "shutting
     down", not NATS' "no responders") until `stop_processes` stops it, after the gateway and engines.
-    Nothing is restarted from here on."""
+    Nothing is restarted from here on. `at_once` (the engines are gone: nothing in flight can finish)
+    sends each a second SIGTERM, which ends what they hold now (requests with the "shutting down"
+    error, jobs back to JetStream)."""
     for service in (tokenizer, jobs):
         service.signal(signal.SIGTERM)
+    if at_once:
+        time.sleep(0.2)  # two SIGTERMs sent together may reach a process as one
+        for service in (tokenizer, jobs):
+            service.signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout_s + 10  # their own deadline, plus time to say so
     if tokenizer.process.poll() is None and tokenizer.drained_read is not None:
         readable, _, _ = select.select([tokenizer.drained_read], [], [], timeout_s + 10)

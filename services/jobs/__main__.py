@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services import liveness, parent_watch
-from services.bus import run_service
+from services.bus import run_service, stop_events_on_signals
 from services.jobs.service import JobsService, stream_configs
 from services.logs import setup_logging
 from services.service_args import add_service_args, run_event_loop
@@ -18,13 +18,15 @@ REPLICAS_ENV = "ORCA_JETSTREAM_REPLICAS"
 
 async def main(args: argparse.Namespace) -> None:
     parent_watch.start(args.parent_pid)  # first: it must work while NATS is unreachable too
+    drain_signal, exit_signal = stop_events_on_signals(2)
+
     async def start(nc):
         liveness.start(args.alive_file)
         service = JobsService(nc, args.concurrency, args.jetstream_replicas, args.jobs_ack_wait)
         await service.start()
-        return lambda: service.stop(args.drain_timeout)
+        return lambda: service.stop(args.drain_timeout, cut_short=exit_signal)  # a second signal: stop now
 
-    await run_service("orca-jobs", args.nats_url, start)
+    await run_service("orca-jobs", args.nats_url, start, stop=drain_signal)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

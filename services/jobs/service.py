@@ -128,14 +128,19 @@ class JobsService:
         log.info("jobs consumer: ack wait %s -> %s s", info.config.ack_wait, self.ack_wait_s)
         await self.js.add_consumer(subjects.JOBS_STREAM, dataclasses.replace(info.config, ack_wait=self.ack_wait_s))
 
-    async def stop(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop pulling, let jobs in progress finish for up to `drain_timeout_s`, then cancel the
-        rest: they are not acked, so JetStream hands them out again."""
+    async def stop(self, drain_timeout_s: float = 0.0, cut_short: asyncio.Event | None = None) -> None:
+        """Stop pulling, let jobs in progress finish for up to `drain_timeout_s` (or until `cut_short`
+        is set), then cancel the rest: they are not acked, so JetStream hands them out again."""
         self._loop.cancel()
         await asyncio.gather(self._loop, return_exceptions=True)
         await self.sub.unsubscribe()  # else draining the connection waits out a pending fetch
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=drain_timeout_s)
+            waits = [asyncio.gather(*self._tasks, return_exceptions=True)]
+            if cut_short is not None:
+                waits.append(asyncio.ensure_future(cut_short.wait()))
+            _, pending = await asyncio.wait(waits, timeout=drain_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            for wait in pending:
+                wait.cancel()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

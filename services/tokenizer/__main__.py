@@ -40,7 +40,7 @@ async def main(args: argparse.Namespace) -> None:
         await service.start()
 
         async def stop() -> None:
-            await service.drain(args.drain_timeout)
+            await service.drain(args.drain_timeout, cut_short=exit_signal)  # a second signal: end them now
             if args.drained_fd is not None:
                 await hold_until_exit_signal(args.drained_fd, exit_signal)
 

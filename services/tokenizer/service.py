@@ -371,12 +371,12 @@ class TokenizerService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def drain(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float, cut_short: asyncio.Event | None = None) -> None:
         """Stop gracefully: refuse new requests (an error event says why), let those in flight finish
-        for up to `timeout_s`, then end the rest with an error."""
+        for up to `timeout_s` (or until `cut_short` is set), then end the rest with an error."""
         self.draining = True
         deadline = time.monotonic() + timeout_s
-        while self.active and time.monotonic() < deadline:
+        while self.active and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
             await asyncio.sleep(0.05)
         for request_id, state in list(self.active.items()):
             del self.active[request_id]

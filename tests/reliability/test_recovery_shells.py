@@ -239,3 +239,22 @@ def test_the_gateway_resends_a_silent_stream_nobody_holds_and_leaves_a_held_one_
     assert (body["id"], body["prompt"], body["resume_token_ids"], body["resume_seq"], reply) == (
         "g1", "hi", [4, 5], 1, "_INBOX.gw.g1")
     assert resending and watched == {} and ended == []
+
+
+def test_a_drain_cut_short_ends_what_is_in_flight_at_once_with_the_shutting_down_error():
+    """`orca serve` cuts the drain short (a second SIGTERM) when its engines died with Ray: nothing
+    in flight can finish, so waiting out --drain-timeout would only delay the error."""
+    async def go():
+        service, nc = await tokenizer_with_request()
+        cut_short = asyncio.Event()
+        draining = asyncio.create_task(service.drain(60.0, cut_short=cut_short))
+        await asyncio.sleep(0.2)
+        still_waiting = not draining.done() and "r1" in service.active
+        cut_short.set()
+        await asyncio.wait_for(draining, 2)
+        await service.recovery.stop()
+        return still_waiting, nc.events(), service.active
+
+    still_waiting, events, active = asyncio.run(go())
+    assert still_waiting, "without the cut, the drain waits for the request in flight"
+    assert events[-1]["finish_reason"] == "error" and "shutting down" in events[-1]["error"] and not active
