@@ -370,3 +370,23 @@ def test_dockerfiles_pass_hadolint(dockerfile):
     tool = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
     result = subprocess.run([tool, str(ROOT / dockerfile)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def grace_seconds(value: str) -> float:
+    """A compose duration (`45s`, `1m30s`) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    return sum(float(amount) * units[unit] for amount, unit in re.findall(r"([\d.]+)(h|m|s)", value))
+
+
+@pytest.mark.parametrize("service", ["tokenizer", "jobs"])
+def test_a_draining_service_gets_longer_than_its_drain_before_it_is_killed(service):
+    """Docker SIGKILLs a container 10 s after its SIGTERM unless told otherwise; the tokenizer and
+    jobs services drain for --drain-timeout first (requests in flight finish, or end with an error)."""
+    from shared.config import ServeConfig
+
+    drain = ServeConfig().drain_timeout
+    assert grace_seconds(compose()["services"][service].get("stop_grace_period", "10s")) > drain + 5
+    k8s = [doc for path in sorted((ROOT / "deploy/k8s").glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())
+           if doc and doc.get("kind") == "Deployment" and doc["metadata"]["name"].endswith(service)]
+    assert k8s, f"no Kubernetes Deployment for {service}"
+    assert all(doc["spec"]["template"]["spec"].get("terminationGracePeriodSeconds", 30) > drain + 5 for doc in k8s)
