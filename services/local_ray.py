@@ -100,28 +100,11 @@ def _silence_driver_threads() -> None:
 def _kill_with_descendants(pids: list[int]) -> None:
     """SIGKILL these processes and everything they started (the raylet's workers: the engine masters,
     model workers and Serve actors would otherwise notice its death some seconds later)."""
-    children = _children_by_parent()
-    victims, todo = [], list(pids)
-    while todo:
-        pid = todo.pop()
-        victims.append(pid)
-        todo += children.get(pid, [])
+    from services.cpu_binding import descendants
+
+    victims = {pid for root in pids for pid in (root, *descendants(root))} if os.path.isdir("/proc") else set(pids)
     for pid in victims:
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def _children_by_parent() -> dict[int, list[int]]:
-    """Each running process' children, from /proc (empty where there is no /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    return children
