@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -112,9 +113,11 @@ def start_services(settings: ServeConfig, nats_url: str, config: EngineConfig,
             for name, command in commands.items()}
 
 
-async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs: list = ()) -> None:
-    """Until every engine reports ready and a tokenizer answers a probe; raises at once if an
-    engine's `run` (a Ray call) ended, which it only does on failure."""
+async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs: list = (),
+                           stopping: Callable[[], bool] = lambda: False) -> None:
+    """Until every engine reports ready and a tokenizer answers a probe, or `stopping()` (a Ctrl-C
+    while it starts); raises at once if an engine's `run` (a Ray call) ended, which it only does on
+    failure."""
     from services.bus import connect
 
     nc = await connect(nats_url, "orca-serve-probe")
@@ -136,13 +139,15 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs:
                 raise TimeoutError(f"engines not ready after {timeout_s:.0f} s ({len(ready)}/{replicas} ready)")
             print(f"  waiting for engines: {len(ready)}/{replicas} ready", file=sys.stderr)
             for _ in range(10):
+                if stopping():
+                    return
                 _raise_if_ended(runs)
                 try:
                     await asyncio.wait_for(got_all.wait(), timeout=0.5)
                     break
                 except asyncio.TimeoutError:
                     pass
-        while True:
+        while not stopping():
             try:
                 await nc.request(subjects.GENERATE, b"{}", timeout=2)
                 return
@@ -178,6 +183,9 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
 
     def on_signal(signum, frame) -> None:
         stop["now"] = True
+
+    def stopping() -> bool:  # a Ctrl-C or SIGTERM while starting stops the start, not only the serving
+        return stop["now"]
 
     workers = settings.replicas * config.parallel.world_size
     threads = settings.worker_threads or default_worker_threads(len(available_cpus()), workers)
@@ -219,31 +227,38 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         # The engines first: a split the cluster cannot place fails here, before Serve starts (starting Serve
         # meanwhile saved about 1 s of the 20 to "up", and made that failure 35 s slower)
         asyncio.run(wait_until_ready(nats_url, settings.replicas, settings.startup_timeout,
-                                     [m.run_ref for m in masters]))
-        http_url = start_gateway(args, nats_url, config, http_port)
-        stack.callback(_stop_gateway, settings.drain_timeout, cluster)
-        wait_until_healthy(http_url, timeout_s=30.0)
-        if layout is not None:  # now, not before: start-up would queue on the control plane's cores
-            bind_process_tree(os.getpid(), layout.control, {core for cores in layout.workers for core in cores})
-        from services.bus import redact_url
-
-        print(f"orca-serve is up: HTTP {http_url}, NATS {redact_url(nats_url)}, {settings.replicas} engine "
-              f"replica(s) of {config.model.model}\n"
-              f"  openai:   {http_url}/v1 (completions, chat/completions, models); health: {http_url}/health\n"
-              f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"
-              f"  abort:    publish {{\"id\": ...}} to '{subjects.ABORT}'\n"
-              f"  jobs:     JetStream publish to '{subjects.JOBS_SUBMIT}' (Nats-Msg-Id header), "
-              f"results on '{subjects.JOBS_RESULT_PREFIX}.<id>'\n"
-              f"Ctrl-C or SIGTERM stops everything.", flush=True)
-        while not stop["now"]:
-            supervise(list(services.values()), masters)
-            time.sleep(0.2)
+                                     [m.run_ref for m in masters], stopping))
+        if not stop["now"]:
+            http_url = start_gateway(args, nats_url, config, http_port)
+            stack.callback(_stop_gateway, settings.drain_timeout, cluster)
+            wait_until_healthy(http_url, timeout_s=30.0, stopping=stopping)
+        if stop["now"]:
+            print("orca-serve: stopped while starting", file=sys.stderr, flush=True)
+        else:
+            if layout is not None:  # now, not before: start-up would queue on the control plane's cores
+                bind_process_tree(os.getpid(), layout.control, {core for cores in layout.workers for core in cores})
+            print_up(http_url, nats_url, settings.replicas, config.model.model)
+            while not stop["now"]:
+                supervise(list(services.values()), masters)
+                time.sleep(0.2)
         cluster.check_gone()  # first: a gone cluster's leftovers would slow the drain
         print("orca-serve: draining", file=sys.stderr, flush=True)
         _drain(services["tokenizer"], services["jobs"], settings.drain_timeout, at_once=cluster.gone)
         print("orca-serve: stopping", file=sys.stderr, flush=True)
     cluster.exit_now_if_gone(0)
     return 0
+
+
+def print_up(http_url: str, nats_url: str, replicas: int, model: str) -> None:
+    from services.bus import redact_url
+
+    print(f"orca-serve is up: HTTP {http_url}, NATS {redact_url(nats_url)}, {replicas} engine replica(s) of {model}\n"
+          f"  openai:   {http_url}/v1 (completions, chat/completions, models); health: {http_url}/health\n"
+          f"  generate: publish JSON to '{subjects.GENERATE}' with a reply subject\n"
+          f"  abort:    publish {{\"id\": ...}} to '{subjects.ABORT}'\n"
+          f"  jobs:     JetStream publish to '{subjects.JOBS_SUBMIT}' (Nats-Msg-Id header), "
+          f"results on '{subjects.JOBS_RESULT_PREFIX}.<id>'\n"
+          f"Ctrl-C or SIGTERM stops everything.", flush=True)
 
 
 def supervise(services: list[SupervisedProcess], masters: list) -> None:
@@ -266,7 +281,7 @@ def start_gateway(args: argparse.Namespace, nats_url: str, config: EngineConfig,
     return f"http://{args.host}:{args.port}"
 
 
-def wait_until_healthy(http_url: str, timeout_s: float) -> None:
+def wait_until_healthy(http_url: str, timeout_s: float, stopping: Callable[[], bool] = lambda: False) -> None:
     """Until the gateway's /health says 200 (it has heard from admission, a ready engine and a tokenizer:
     the first tokenizer heartbeat may come a second after the gateway starts), so that "up" means
     serving. Past `timeout_s` it says why not and goes on: the services are up, /health tells the rest."""
@@ -274,7 +289,7 @@ def wait_until_healthy(http_url: str, timeout_s: float) -> None:
     import urllib.request
 
     deadline, reason = time.monotonic() + timeout_s, "no answer"
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         try:
             with urllib.request.urlopen(f"{http_url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -284,7 +299,8 @@ def wait_until_healthy(http_url: str, timeout_s: float) -> None:
         except (urllib.error.URLError, OSError) as exc:
             reason = str(exc)
         time.sleep(0.1)
-    print(f"  /health is not 200 yet after {timeout_s:.0f} s: {reason}", flush=True)
+    if not stopping():
+        print(f"  /health is not 200 yet after {timeout_s:.0f} s: {reason}", flush=True)
 
 
 def _stop_gateway(timeout_s: float, cluster: RayCluster) -> None:

@@ -117,5 +117,22 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return found
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed child of a process that has exited waits for init to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid} (gone)"
+
+
 def worker_pids(serve: OrcaServe) -> list[int]:
     return [pid for pid, cmd in descendants(serve.process.pid) if cmd.startswith("ray::Worker")]

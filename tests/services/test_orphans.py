@@ -1,7 +1,8 @@
 """An `orca serve` killed outright (kill -9, the OOM killer) leaves nothing running: its services stop
 once their supervisor is gone (`services/parent_watch.py`) and its nats-server gets SIGTERM from the
 kernel (`LocalNatsServer.start(die_with_parent=True)`). Real processes: a supervisor started the way
-`orca serve` starts them, the real services and a real nats-server; no Ray."""
+`orca serve` starts them, the real services and a real nats-server; no Ray. And a Ctrl-C while
+`orca serve` starts stops it there, Ray and all."""
 
 import os
 import signal
@@ -9,7 +10,9 @@ import subprocess
 import sys
 import time
 
-from tests.services.stack import ROOT
+import pytest
+
+from tests.services.stack import ROOT, cmdline, descendants, running
 
 SUPERVISOR = """
 import pathlib, sys, tempfile, time
@@ -29,14 +32,6 @@ time.sleep(600)
 """
 
 
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended; init reaps it
-    except FileNotFoundError:
-        return False
-
-
 def test_a_killed_supervisor_leaves_no_service_and_no_nats_server(demo_model):
     supervisor = subprocess.Popen([sys.executable, "-c", SUPERVISOR, demo_model], cwd=ROOT, stdout=subprocess.PIPE,
                                   text=True)
@@ -51,3 +46,33 @@ def test_a_killed_supervisor_leaves_no_service_and_no_nats_server(demo_model):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == [], "still running after their supervisor was killed"
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_it_starts_stops_it_without_serving_first(demo_model):
+    """It used to finish starting (and print "is up") before it stopped: with a model that takes
+    minutes to load, a Ctrl-C did nothing for minutes."""
+    serve = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", demo_model, "--port", "0"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    lines = []
+    for line in serve.stdout:
+        lines.append(line)
+        if "waiting for engines" in line:
+            break
+    started = [pid for pid, _ in descendants(serve.pid)]
+    serve.send_signal(signal.SIGINT)
+    began = time.monotonic()
+    try:
+        lines += serve.stdout.readlines()
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+    assert time.monotonic() - began < 20, "".join(lines)
+    assert any("stopped while starting" in line for line in lines), "".join(lines)
+    assert not any("is up" in line for line in lines), "".join(lines)
+    deadline = time.monotonic() + 5
+    while (left := [pid for pid in started if running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, [cmdline(pid) for pid in left]

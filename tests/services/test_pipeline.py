@@ -15,7 +15,8 @@ import pytest
 from engine.batch_job import run_batch
 from engine.llm_engine import LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from tests.services.stack import OrcaServe, descendants, engine_statuses, kill_while_streaming, stream, worker_pids
+from tests.services.stack import (OrcaServe, cmdline, descendants, engine_statuses, kill_while_streaming, running,
+                                  stream, worker_pids)
 
 pytestmark = pytest.mark.slow
 
@@ -288,19 +289,3 @@ def test_a_sigterm_to_its_whole_process_group_stops_everything_in_seconds(stack)
         time.sleep(0.1)
     assert not left, [cmdline(pid) for pid in left]
 
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a killed child of a process that has exited waits for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return f"{pid} (gone)"
