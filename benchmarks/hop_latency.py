@@ -10,7 +10,11 @@ the median gap between consecutive milestones.
     python benchmarks/hop_latency.py --http http://127.0.0.1:8000 --nats nats://127.0.0.1:4222
 
 The subscriber runs on the machine it measures: each of its callbacks costs the control plane a
-few tens of microseconds, so the absolute times here are a little above an unobserved run's.
+few tens of microseconds, so the absolute times here are a little above an unobserved run's. It
+binds itself to the control plane's cores (`--cpus`; by default those `orca serve` gives the control
+plane on this machine with one worker): on the worker's core its callbacks wait for the forward pass
+the step message starts, and the step seems to leave the master milliseconds late (2026-12-04, NATS,
+admit to step 4.4-5.3 ms with the observer on the worker's core, 1.3-1.5 ms on the control plane's).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import uuid
 
 import aiohttp
 import nats
+
+from services.cpu_binding import available_cpus, bind_this_process, plan_cpu_layout
 
 HOPS = [
     ("generate", lambda s: s == "orca.v1.generate"),
@@ -84,7 +90,27 @@ async def one_nats(nc, prompt: list[int], max_tokens: int) -> float:
     return first
 
 
+def control_plane_cpus() -> list[int]:
+    """The cores `orca serve`'s default layout leaves the control plane here (one worker, the cores less one)."""
+    cpus = available_cpus()
+    layout = plan_cpu_layout(cpus, workers=1, threads=max(1, len(cpus) - 1))
+    return list(layout.control) if layout else cpus
+
+
+def parse_cpus(text: str) -> list[int] | None:
+    if text == "auto":
+        return control_plane_cpus()
+    if text == "off":
+        return None
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not auto, off or a comma-separated list of cores") from None
+
+
 async def main(args: argparse.Namespace) -> None:
+    if args.cpus is not None and bind_this_process(args.cpus):
+        print(f"observer and sender on cores {args.cpus}")
     recorder = Recorder()
     observer = await nats.connect(args.nats)
     if not args.unobserved:
@@ -143,4 +169,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--unobserved", action="store_true", help="no subscriber: the first token's time only")
     parser.add_argument("--gap", type=float, default=0.1, help="seconds between requests")
+    parser.add_argument("--cpus", type=parse_cpus, default="auto",
+                        help="cores to run on, comma-separated; auto (default): the control plane's; off: unbound")
     asyncio.run(main(parser.parse_args()))
