@@ -89,6 +89,9 @@ class CompiledForward:
         self.max_blocks_per_seq = max_blocks_per_seq
         # Capturable only with kernels that never sync with the host (the torch attention path does).
         self.use_cuda_graphs = device.type == "cuda" and ops is TRITON_OPS
+        # With CUDA graphs one-token batches never reach the dynamic graph; Triton's launch heuristics
+        # want a size hint, which an unbacked count lacks.
+        self.unbacked_tokens = not self.use_cuda_graphs
         # Dynamo caches graphs per code object, and `_forward` is one code object for every instance: a
         # new model (a test's next checkpoint) would count as recompiles of the old one. One model step
         # is compiled per process; start it clean (Inductor's on-disk cache still makes this fast).
@@ -103,6 +106,9 @@ class CompiledForward:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:
+        if self.unbacked_tokens:  # tell the compiler the three counts are one
+            torch._check(positions.shape[0] == input_ids.shape[0])
+            torch._check(meta.slot_mapping.shape[0] == input_ids.shape[0])
         return self.model(input_ids, positions, kv_caches, meta, self.ops)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -112,7 +118,12 @@ class CompiledForward:
             if size is not None:
                 return self._graph_decode(size, input_ids, positions, kv_caches, meta)
         # Size-oblivious: a batch of one token (or one request, or one block) reuses the general graph
-        # instead of specialising on 1; each combination would be a recompile.
+        # instead of specialising on 1; each combination would be a recompile. On the CPU the token count
+        # is also unbacked: two lowerings still specialise a backed one on `T == 1` (the rotary's in-place
+        # copy, Inductor's view of an unbound qkv), and the second graph compiled while serving.
+        if self.unbacked_tokens:
+            for tensor in (input_ids, positions, meta.slot_mapping):
+                torch._dynamo.decorators.mark_unbacked(tensor, 0)
         with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
             return self._dynamic(input_ids, positions, kv_caches, _tensor_meta(meta))
 
@@ -143,17 +154,23 @@ def _tensor_meta(meta: AttentionMetadata) -> AttentionMetadata:
     return dataclasses.replace(meta, max_query_len=0, max_seq_len=0)
 
 
-def warm_up(forward: CompiledForward, kv_caches: list, device: torch.device) -> float:
+def warm_up(forward: CompiledForward, kv_caches: list, device: torch.device,
+            thread_counts: tuple[int, ...] = ()) -> float:
     """Compile every graph before serving: one token, a few tokens, a prompt; on CUDA each captured
-    decode size. Writes only the scratch block. Returns the seconds it took."""
+    decode size; under each of `thread_counts` (torch threads are part of a graph's guards, and the
+    CPU runner switches them per step). Writes only the scratch block. Returns the seconds it took."""
     start = time.perf_counter()
     block_size = CompiledForward.ops_block_size(kv_caches)
     shapes = [(1, 1), (2, 1), (1, block_size), (3, max(2, block_size // 2))]  # (requests, tokens each)
     if forward.use_cuda_graphs:
         shapes += [(size, 1) for size in CUDA_GRAPH_SIZES]
+    threads_before = torch.get_num_threads()
     with torch.inference_mode():  # as the runner calls it: grad mode is part of every graph's guards
-        for num_requests, q_len in shapes:
-            forward(*_dummy_batch(num_requests, q_len, forward.scratch_block, block_size, device, kv_caches))
+        for threads in thread_counts or (threads_before,):
+            torch.set_num_threads(threads)
+            for num_requests, q_len in shapes:
+                forward(*_dummy_batch(num_requests, q_len, forward.scratch_block, block_size, device, kv_caches))
+    torch.set_num_threads(threads_before)
     seconds = time.perf_counter() - start
     log.info("compiled the model step in %.1f s", seconds)
     return seconds

@@ -84,7 +84,7 @@ class ModelRunner:
         if compile_step:
             self.compiled = CompiledForward(self.model, self.ops, self.device, self.kv_caches, scratch_block=num_blocks,
                                             max_blocks_per_seq=-(-max_model_len // block_size))
-            warm_up(self.compiled, self.kv_caches, self.device)
+            warm_up(self.compiled, self.kv_caches, self.device, thread_counts=self._thread_counts())
 
     def _allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Allocated once at start-up, for this stage's layers and this rank's KV heads."""
@@ -143,6 +143,10 @@ class ModelRunner:
             return output
         return msgspec.structs.replace(output, grammars_ready=ready,
                                        grammar_errors={**output.grammar_errors, **failed})
+
+    def _thread_counts(self) -> tuple[int, ...]:
+        """Every torch thread count `_pick_threads` may choose."""
+        return (1, self.max_threads) if self.max_threads > 1 else (torch.get_num_threads(),)
 
     def _pick_threads(self, num_tokens: int) -> None:
         if self.max_threads > 1:
