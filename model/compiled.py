@@ -89,9 +89,9 @@ class CompiledForward:
         self.max_blocks_per_seq = max_blocks_per_seq
         # Capturable only with kernels that never sync with the host (the torch attention path does).
         self.use_cuda_graphs = device.type == "cuda" and ops is TRITON_OPS
-        # With CUDA graphs one-token batches never reach the dynamic graph; Triton's launch heuristics
-        # want a size hint, which an unbacked count lacks.
-        self.unbacked_tokens = not self.use_cuda_graphs
+        # CPU only: with CUDA graphs one-token batches never reach the dynamic graph, and Triton's launch
+        # heuristics want a size hint, which an unbacked count lacks (not checked on a GPU).
+        self.unbacked_tokens = device.type == "cpu"
         # Dynamo caches graphs per code object, and `_forward` is one code object for every instance: a
         # new model (a test's next checkpoint) would count as recompiles of the old one. One model step
         # is compiled per process; start it clean (Inductor's on-disk cache still makes this fast).
