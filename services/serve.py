@@ -68,6 +68,23 @@ def default_worker_threads(cpus: int, workers: int) -> int:
     return max(1, (cpus - 1) // workers)
 
 
+def check_engines_fit(config: EngineConfig, settings: ServeConfig) -> None:
+    """ValueError, with the numbers, if the Ray cluster cannot hold every replica's workers at all (each
+    master checks its own again; one that is only busy waits for room)."""
+    import ray
+
+    from services.engine.placement import cluster_shortfall, worker_bundle
+
+    parallel = config.parallel
+    what = (f"{settings.replicas} engine replica(s) of tp={parallel.tensor_parallel_size} "
+            f"pp={parallel.pipeline_parallel_size}")
+    shortfall = cluster_shortfall(settings.replicas * parallel.world_size,
+                                  worker_bundle(config.model.device, settings.worker_cpus),
+                                  ray.cluster_resources(), what=what)
+    if shortfall:
+        raise ValueError(shortfall)
+
+
 def start_engines(config: EngineConfig, nats_url: str, settings: ServeConfig, worker_threads: int,
                   layout: CpuLayout | None) -> list:
     """A supervisor per engine replica, its master running (its `run` call fails at once if, say,
@@ -214,6 +231,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
 
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
         stack.callback(cluster.shutdown)
+        check_engines_fit(config, settings)  # before the services start: a split that cannot fit fails in seconds
         # After ray.init, which installs handlers of its own; children run in their own sessions so a
         # terminal's Ctrl-C reaches only this process, which then stops them in order.
         signal.signal(signal.SIGTERM, on_signal)

@@ -26,6 +26,18 @@ def missing_resources(needed: dict[str, float], total: dict[str, float]) -> dict
     return {k: v - total.get(k, 0.0) for k, v in needed.items() if total.get(k, 0.0) + 1e-9 < v}
 
 
+def cluster_shortfall(num_workers: int, bundle: dict[str, float], total: dict[str, float], *, what: str) -> str | None:
+    """What is missing for `num_workers` bundles on a cluster of `total` resources, said for a user;
+    None when they fit (busy or not)."""
+    needed = {k: v * num_workers for k, v in bundle.items()}
+    lacking = missing_resources(needed, total)
+    if not lacking:
+        return None
+    have = {k: total.get(k, 0.0) for k in needed}
+    return (f"{what} needs {num_workers} worker(s) of {bundle} = {needed} in all, but the Ray cluster has {have} "
+            f"(missing {lacking}); lower -tp/-pp, --replicas or --worker-cpus, or add nodes")
+
+
 def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, name: str = "",
                     timeout_s: float = 60.0) -> Any:
     """A ready placement group of `num_workers` bundles, or PlacementError saying what is missing.
@@ -44,13 +56,9 @@ def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, na
                 ray.get(group.ready(), timeout=timeout_s)
                 return group
             remove_placement_group(group)  # made for other flags: give its devices back
-    needed = {k: v * num_workers for k, v in bundle.items()}
-    lacking = missing_resources(needed, ray.cluster_resources())
-    if lacking:
-        have = {k: ray.cluster_resources().get(k, 0.0) for k in needed}
-        raise PlacementError(
-            f"{what} needs {num_workers} worker(s) of {bundle} = {needed} in all, but the Ray cluster has {have} "
-            f"(missing {lacking}); lower -tp/-pp or --worker-cpus, or add nodes")
+    shortfall = cluster_shortfall(num_workers, bundle, ray.cluster_resources(), what=what)
+    if shortfall:
+        raise PlacementError(shortfall)
     group = placement_group([dict(bundle) for _ in range(num_workers)], strategy="PACK", name=name)
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
     if not ready:

@@ -1,0 +1,25 @@
+"""What `orca serve` and each engine master say when the Ray cluster cannot hold the workers."""
+
+from services.engine.placement import cluster_shortfall, missing_resources, worker_bundle
+
+
+def test_workers_that_fit_have_no_shortfall_busy_or_not():
+    assert cluster_shortfall(2, {"CPU": 1.0}, {"CPU": 2.0}, what="x") is None
+
+
+def test_every_replica_counts_so_a_third_that_cannot_fit_is_named_with_the_numbers():
+    message = cluster_shortfall(3 * 1, worker_bundle("cpu", 1.0), {"CPU": 2.0, "memory": 1e9},
+                                what="3 engine replica(s) of tp=1 pp=1")
+    assert message == ("3 engine replica(s) of tp=1 pp=1 needs 3 worker(s) of {'CPU': 1.0} = {'CPU': 3.0} in all, "
+                       "but the Ray cluster has {'CPU': 2.0} (missing {'CPU': 1.0}); "
+                       "lower -tp/-pp, --replicas or --worker-cpus, or add nodes")
+
+
+def test_a_cuda_worker_needs_a_gpu_and_a_cluster_without_one_lacks_all_of_them():
+    bundle = worker_bundle("cuda:0", 0.5)
+    assert bundle == {"CPU": 0.5, "GPU": 1.0}
+    assert missing_resources({k: v * 4 for k, v in bundle.items()}, {"CPU": 8.0}) == {"GPU": 4.0}
+
+
+def test_a_fractional_share_that_adds_up_exactly_fits():
+    assert cluster_shortfall(4, {"CPU": 0.25}, {"CPU": 1.0}, what="x") is None
