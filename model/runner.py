@@ -97,13 +97,24 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
-        """The iteration's output on the output rank; None on every other rank."""
+        """The iteration's output on the output rank; None on every other rank. Runs small iterations
+        on one torch thread and gives the process its thread count back after (a second engine in the
+        process would otherwise take one thread as its most)."""
+        threads = torch.get_num_threads()
+        if scheduler_output.scheduled:
+            self._pick_threads(scheduler_output.num_tokens)
+        try:
+            return self._execute(scheduler_output)
+        finally:
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
         grammar_errors = self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
-        self._pick_threads(scheduler_output.num_tokens)
         batch = self._prepare_inputs(scheduler_output.scheduled)
         grammars = self.grammars
         constrained = grammars is not None and bool(grammars.matchers) and bool(batch.sampled_request_ids)

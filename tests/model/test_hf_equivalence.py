@@ -18,7 +18,6 @@ from shared.sampling import SamplingParams
 from tests.model.checkpoints import make_checkpoint
 
 ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
-DEFAULT_THREADS = torch.get_num_threads()
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -63,9 +62,6 @@ def orca_run(model_dir, prompts, *, dtype="float64", policy="orca", max_num_seqs
                                   max_num_batched_tokens=24 if chunked else None, enable_chunked_prefill=chunked),
         cache=CacheConfig(kv_cache_tokens=kv_cache_tokens, block_size=block_size, enable_prefix_caching=prefix),
     )
-    # The CPU runner switches torch threads per step (one for small ones) and takes the count it finds as
-    # its most: start each engine from the default, not from where the previous run left it.
-    torch.set_num_threads(DEFAULT_THREADS)
     engine = LLMEngine(config)
     # A compiled step compiles every graph it needs while it warms up (both torch thread counts the CPU
     # runner switches between, one-token and longer batches): a compile while serving stalls every request.
