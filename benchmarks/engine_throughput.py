@@ -107,7 +107,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    threads = torch.get_num_threads()  # the runner drops to one for small iterations, so read it now
+    threads = torch.get_num_threads()
     workload = orca_paper_workload(args.num_requests, args.seed, input_range=args.input_len,
                                    output_range=args.output_len)
     if args.write_workload:

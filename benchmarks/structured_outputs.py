@@ -98,7 +98,7 @@ def run(engine: LLMEngine, requests: list[dict], constrained: bool, lengths: dic
 
 
 SCHEMA_OF: dict[str, str] = {}
-THREADS = torch.get_num_threads()  # before a run: the runner drops to one thread for small steps
+THREADS = torch.get_num_threads()
 
 
 def _parses(text: str) -> bool:
