@@ -50,6 +50,8 @@ class RunnerArgs:
     seed: int
     kernel_backend: str
     enforce_eager: bool | None = None
+    borrowed_threads: int = 0
+    """Threads a lone CPU worker may add on the control plane's cores (model/runner.py)."""
 
     @staticmethod
     def of(config: EngineConfig, max_model_len: int) -> RunnerArgs:
@@ -63,7 +65,7 @@ class RunnerArgs:
         return ModelRunner(self.model_dir, dtype=self.dtype, device=self.device, num_blocks=self.num_blocks,
                            block_size=self.block_size, max_model_len=self.max_model_len, seed=self.seed,
                            kernel_backend=self.kernel_backend, groups=groups,
-                           enforce_eager=self.enforce_eager)
+                           enforce_eager=self.enforce_eager, borrowed_threads=self.borrowed_threads)
 
 
 class LocalExecutor:

@@ -54,10 +54,13 @@ class BatchInputs:
 class ModelRunner:
     def __init__(self, model_dir: str, *, dtype: str, device: str, num_blocks: int, block_size: int,
                  max_model_len: int, seed: int, kernel_backend: str = "auto",
-                 groups: ParallelGroups | None = None, enforce_eager: bool | None = None) -> None:
+                 groups: ParallelGroups | None = None, enforce_eager: bool | None = None,
+                 borrowed_threads: int = 0) -> None:
         """`enforce_eager`: True runs the plain torch step; False compiles it (model/compiled.py); None
         compiles where it pays: on CUDA, not on CPU (there the token-wise ops already run at matmul speed;
-        benchmarks/README.md has the measurement). Compilation covers a single worker (no -tp/-pp)."""
+        benchmarks/README.md has the measurement). Compilation covers a single worker (no -tp/-pp).
+        `borrowed_threads`: torch threads a single CPU worker may add, on cores it shares with the
+        control plane, for a large iteration that decodes nothing (services/cpu_binding.py places them)."""
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
         self.groups = groups or ParallelGroups()
@@ -78,6 +81,7 @@ class ModelRunner:
         # One worker on the CPU picks its thread count per iteration (SMALL_STEP_TOKENS); others keep theirs.
         single_cpu_worker = self.device.type == "cpu" and self.groups.rank.world_size == 1
         self.max_threads = torch.get_num_threads() if single_cpu_worker else 1
+        self.borrowed_threads = borrowed_threads if single_cpu_worker else 0
         self.compiled: CompiledForward | None = None
         if self.ops in CPU_OP_SETS and can_pack(self.model, self.device, self.dtype) and not compile_step:
             pack_linears(self.model)  # oneDNN with packed weights: about 2x MKL's float32 matmuls here
@@ -103,7 +107,7 @@ class ModelRunner:
         process would otherwise take one thread as its most)."""
         threads = torch.get_num_threads()
         if scheduler_output.scheduled:
-            self._pick_threads(scheduler_output.num_tokens)
+            self._pick_threads(scheduler_output)
         try:
             return self._execute(scheduler_output)
         finally:
@@ -157,13 +161,23 @@ class ModelRunner:
 
     def _thread_counts(self) -> tuple[int, ...]:
         """Every torch thread count `_pick_threads` may choose."""
-        return (1, self.max_threads) if self.max_threads > 1 else (torch.get_num_threads(),)
+        counts = {1, self.max_threads, self.max_threads + self.borrowed_threads}
+        return tuple(sorted(counts)) if len(counts) > 1 else (torch.get_num_threads(),)
 
-    def _pick_threads(self, num_tokens: int) -> None:
-        if self.max_threads > 1:
-            threads = 1 if num_tokens < SMALL_STEP_TOKENS else self.max_threads
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+    def _pick_threads(self, scheduler_output: SchedulerOutput) -> None:
+        """One thread for a small iteration; the worker's own for a large one; its own and the borrowed
+        ones for a large iteration that decodes nothing: no token streams out during it, so the control
+        plane, whose cores those are, has nothing to do but wait for it (a lone prompt's prefill)."""
+        if len(self._thread_counts()) == 1:
+            return
+        if scheduler_output.num_tokens < SMALL_STEP_TOKENS:
+            threads = 1
+        elif self.borrowed_threads and scheduler_output.num_decode_tokens == 0:
+            threads = self.max_threads + self.borrowed_threads
+        else:
+            threads = self.max_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _run_stage(self, batch: BatchInputs) -> torch.Tensor | None:
         """This stage's part of the forward pass; the final hidden states on the output rank."""

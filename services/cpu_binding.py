@@ -7,6 +7,11 @@ vLLM's CPU build binds its OpenMP threads the same way and leaves a core to its 
 Measured on the 2-core VM (tiny Llama, rate inf, two runs each): `vllm bench serve` gave 2,056 and 2,011
 out tok/s unbound against 2,258 and 2,342 bound; `orca bench --transport http`, with the load generator on
 the control plane's core, 2,433 and 2,669 against 2,784 and 2,962.
+
+A lone worker also borrows the control plane's cores for an iteration that decodes nothing (a prompt
+arriving at an idle engine): no token streams out during it, so the control plane only waits for it.
+Its extra OpenMP threads are placed on those cores (`place_openmp_threads`); every other iteration
+stays on the worker's own.
 """
 
 from __future__ import annotations
@@ -63,6 +68,28 @@ def bind_this_process(cpus: Sequence[int]) -> bool:
         log.warning("could not bind this process to cores %s: %s", sorted(wanted), exc)
         return False
     return True
+
+
+def place_openmp_threads(own: Sequence[int], borrowed: Sequence[int]) -> int:
+    """Put OpenMP thread i on core i of `own` then `borrowed` (OMP_PLACES, OMP_PROC_BIND=close), so
+    that a team larger than `own` runs its extra threads on the borrowed cores, one each, and a team
+    within `own` never leaves it. Returns how many threads can be borrowed: len(borrowed), or 0 where
+    it is too late (torch, and with it OpenMP, already loaded in this process: its places are fixed).
+
+    Call it before `bind_this_process(own)`: OpenMP drops a place outside the cores the process may
+    run on when it loads."""
+    import sys
+
+    if not borrowed:
+        return 0
+    if "torch" in sys.modules:
+        log.warning("OpenMP is loaded already: this worker keeps to its own cores %s", list(own))
+        return 0
+    os.environ["OMP_PLACES"] = ",".join(f"{{{core}}}" for core in (*own, *borrowed))
+    os.environ["OMP_PROC_BIND"] = "close"
+    import torch  # noqa: F401 - loads OpenMP now, while every place is still one this process may use
+
+    return len(borrowed)
 
 
 def bind_process_tree(root: int, cpus: Sequence[int], workers_cores: Collection[int]) -> int:

@@ -92,8 +92,11 @@ def start_engines(config: EngineConfig, nats_url: str, settings: ServeConfig, wo
     from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master
 
     world = config.parallel.world_size
+    # A lone worker may borrow the control plane's cores (services/cpu_binding.py); several would fight over them.
+    borrow = layout.control if layout is not None and len(layout.workers) == 1 else ()
     launches = [WorkerLaunch.of(settings, worker_threads=worker_threads,
-                                worker_cores=layout.workers[i * world:(i + 1) * world] if layout else None)
+                                worker_cores=layout.workers[i * world:(i + 1) * world] if layout else None,
+                                borrow_cores=borrow)
                 for i in range(settings.replicas)]
     now = time.monotonic()
     return [MasterSupervisor(str(i), launch_master(config, nats_url, str(i), launch),

@@ -66,7 +66,7 @@ class EngineMasterActor:
             num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_concurrency=16,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         ).remote(self.config, self.nats_url, self.replica, max_model_len, self.launch.worker_threads, rank,
-                  self.launch.cores_of(rank))
+                  self.launch.cores_of(rank), self.launch.borrow_cores)
 
     async def stop(self) -> None:
         self._stop.set()

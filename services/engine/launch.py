@@ -42,14 +42,18 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Torch threads per worker (None: torch's default)."""
     worker_cores: tuple[tuple[int, ...], ...] | None = None
     """Cores each worker (by rank) runs on alone (services/cpu_binding.py); None: not bound."""
+    borrow_cores: tuple[int, ...] = ()
+    """The control plane's cores a lone bound worker also runs on in an iteration that decodes nothing."""
 
     @classmethod
     def of(cls, settings: ServeConfig, worker_threads: int | None = None,
-           worker_cores: tuple[tuple[int, ...], ...] | None = None) -> WorkerLaunch:
+           worker_cores: tuple[tuple[int, ...], ...] | None = None,
+           borrow_cores: tuple[int, ...] = ()) -> WorkerLaunch:
         """The workers' part of a launcher's ServeConfig; `worker_threads` where the launcher chose
         them (`orca serve` counts cores), and the cores it bound them to."""
         return cls(step_timeout_s=settings.step_timeout, worker_cpus=settings.worker_cpus,
-                   worker_threads=worker_threads or settings.worker_threads, worker_cores=worker_cores)
+                   worker_threads=worker_threads or settings.worker_threads, worker_cores=worker_cores,
+                   borrow_cores=borrow_cores)
 
     def cores_of(self, rank: int) -> tuple[int, ...] | None:
         return self.worker_cores[rank] if self.worker_cores else None

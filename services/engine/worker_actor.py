@@ -15,6 +15,7 @@ reconnect tells the master the last iteration it ran (`WorkerResync`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -27,7 +28,7 @@ from core.batch import SchedulerOutput, StepResult
 from shared.parallel import ParallelRank
 from shared import env, subjects
 from shared.codec import Codec
-from services.cpu_binding import bind_this_process
+from services.cpu_binding import bind_this_process, place_openmp_threads
 from services.logs import setup_logging
 from shared.config import EngineConfig
 from shared.messages import WorkerResync
@@ -40,9 +41,12 @@ RESULTS_KEPT = 8
 
 class Worker:
     def __init__(self, config: EngineConfig, nats_url: str, replica: str, max_model_len: int,
-                 num_threads: int | None = None, rank: int = 0, cores: tuple[int, ...] | None = None) -> None:
+                 num_threads: int | None = None, rank: int = 0, cores: tuple[int, ...] | None = None,
+                 borrow_cores: tuple[int, ...] = ()) -> None:
         setup_logging()  # a Ray actor process: timestamps and INFO lines in its log, as every service has
+        self.borrowed_threads = 0
         if cores:
+            self.borrowed_threads = place_openmp_threads(cores, borrow_cores)  # before the binding: see there
             bind_this_process(cores)  # before the model loads: its threads start here
         self.config, self.nats_url, self.replica = config, nats_url, replica
         self.max_model_len = max_model_len
@@ -80,7 +84,8 @@ class Worker:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         groups = init_distributed(self.rank, init_method, self.config.model.device)
-        return RunnerArgs.of(self.config, self.max_model_len).build(groups)
+        args = dataclasses.replace(RunnerArgs.of(self.config, self.max_model_len), borrowed_threads=self.borrowed_threads)
+        return args.build(groups)
 
     async def wait_subscribed(self) -> None:
         await self._subscribed.wait()

@@ -45,6 +45,33 @@ def test_a_bound_process_and_the_threads_it_starts_later_stay_on_its_cores():
         os.path.abspath(__file__)))))
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="Linux, 2 cores")
+def test_a_worker_borrows_the_control_cores_only_for_a_team_larger_than_its_own():
+    control, own = sorted(os.sched_getaffinity(0))[:2]
+    script = (
+        "import os, sys\n"
+        "from services.cpu_binding import bind_this_process, place_openmp_threads\n"
+        f"assert place_openmp_threads([{own}], [{control}]) == 1\n"
+        f"assert bind_this_process([{own}])\n"
+        "import torch\n"
+        "a = torch.randn(256, 256)\n"
+        "def run(threads):\n"
+        "    torch.set_num_threads(threads)\n"
+        "    for _ in range(10): a @ a\n"
+        "    return sorted(sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task'))\n"
+        "print(run(1)); print(run(2)); print(sorted(os.sched_getaffinity(0)))\n"
+        f"assert place_openmp_threads([{own}], [{control}]) == 0  # OpenMP is loaded: too late\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr
+    one_thread, two_threads, main = done.stdout.split("\n")[:3]
+    assert f"[{control}]" not in one_thread, "a team of the worker's own size stays on its core"
+    assert two_threads.count(f"[{control}]") == 1, "a larger team's extra thread runs on the borrowed core"
+    assert main == f"[{own}]"
+    assert "keeps to its own cores" in done.stderr
+
+
 CHILD = r"""
 import os, sys, threading, time
 if sys.argv[1] == "worker":
