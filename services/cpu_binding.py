@@ -85,10 +85,12 @@ def place_openmp_threads(own: Sequence[int], borrowed: Sequence[int]) -> int:
     if "torch" in sys.modules:
         log.warning("OpenMP is loaded already: this worker keeps to its own cores %s", list(own))
         return 0
-    os.environ["OMP_PLACES"] = ",".join(f"{{{core}}}" for core in (*own, *borrowed))
-    os.environ["OMP_PROC_BIND"] = "close"
+    places = {"OMP_PLACES": ",".join(f"{{{core}}}" for core in (*own, *borrowed)), "OMP_PROC_BIND": "close"}
+    os.environ.update(places)
     import torch  # noqa: F401 - loads OpenMP now, while every place is still one this process may use
 
+    for name in places:  # read once, at load; a child bound to fewer cores (Inductor's compile workers) would warn
+        del os.environ[name]
     return len(borrowed)
 
 

@@ -53,6 +53,7 @@ def test_a_worker_borrows_the_control_cores_only_for_a_team_larger_than_its_own(
         "from services.cpu_binding import bind_this_process, place_openmp_threads\n"
         f"assert place_openmp_threads([{own}], [{control}]) == 1\n"
         f"assert bind_this_process([{own}])\n"
+        "assert 'OMP_PLACES' not in os.environ  # read at load: not passed on to children bound to fewer cores\n"
         "import torch\n"
         "a = torch.randn(256, 256)\n"
         "def run(threads):\n"
