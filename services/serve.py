@@ -392,7 +392,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     g.add_argument("--cpu-bind", choices=("auto", "off"), default="auto",
                    help="auto: on a CPU-only local Ray, each worker runs on cores of its own (the last ones) and "
-                        "everything else on the rest; off: the OS places them")
+                        "everything else on the rest (a lone worker borrows them for a prompt that comes while "
+                        "nothing decodes); off: the OS places them")
     add_serve_flags(g)
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
