@@ -120,6 +120,11 @@ class EngineMaster:
         self.ready = False
         self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
         self._status_sent_at = 0.0
+        self._status_owed = False
+        """An Admit's acknowledgement, for the loop to send right after the step the admitted requests join.
+        Sent before it, the status woke admission, the tokenizers and the gateways (all decode every status)
+        while that step had yet to leave: on a small machine they share the master's core, and a lone
+        prompt's step left 0.45 ms later (benchmarks/README.md, 2026-12-05)."""
         self.pipeline_depth = config.parallel.pipeline_parallel_size
         self.max_in_flight = 2 if self.scheduler.async_scheduling else self.pipeline_depth
         """Iterations sent and not yet applied: one per pipeline stage, or under async scheduling the one
@@ -159,6 +164,8 @@ class EngineMaster:
             await self.publish_status()
             while not stop.is_set():
                 if not self.scheduler.has_unfinished and not self._in_flight:
+                    if self._status_owed:  # the admitted requests have already ended (an error, a cancel)
+                        await self.publish_status()
                     await self._idle()
                     continue
                 try:
@@ -205,6 +212,8 @@ class EngineMaster:
             if scheduler_output.is_empty:
                 break
             await self._send(scheduler_output, started)
+        if self._status_owed:
+            await self.publish_status()
         if not self._in_flight:
             await self._idle(0.05)  # requests wait for room that in-flight work will free
             return
@@ -319,7 +328,10 @@ class EngineMaster:
             self.last_admit_sequence += 1
             self.admits_ahead.discard(self.last_admit_sequence)
         await self.publish_outputs(errors)
-        await self.publish_status()
+        if self.ready and len(self._in_flight) < self.max_in_flight:  # the loop sends a step at once
+            self._status_owed = True
+        else:  # no step leaves before an in-flight one returns (or the workers are back): acknowledge now
+            await self.publish_status()
         self._wake.set()
 
     def _add(self, tokenized: TokenizedRequest) -> RequestOutput | None:
@@ -445,7 +457,7 @@ class EngineMaster:
         )
 
     async def publish_status(self) -> None:
-        self._status_sent_at = time.monotonic()
+        self._status_sent_at, self._status_owed = time.monotonic(), False
         await self.nc.publish(subjects.ENGINE_STATUS, Codec.encode(self.status()))
 
 

@@ -354,3 +354,28 @@ def test_a_cancel_that_overtakes_its_admit_ends_the_request_before_it_runs_and_f
     assert outs["early"] == [[], (FinishReason.ABORT, None)], "ended with no token: it never ran"
     assert outs["other"][1] == (FinishReason.LENGTH, None) and len(outs["other"][0]) == 5
     assert "early" not in master.scheduler.requests and master.scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_an_admit_is_acknowledged_right_after_the_step_it_joins_and_at_once_when_no_step_can_leave():
+    """The status that acknowledges an Admit wakes every service that reads statuses: it goes out after
+    the admitted prompt's step, not before it, but never waits for a step that cannot leave now."""
+    async def go():
+        master, bus, _, stop, task = await running_master()
+        await asyncio.sleep(0.01)
+        bus.published.clear()
+        await admit(master, request("lone", max_tokens=3))
+        await until_ended(bus, "lone")
+        subjects = [s for s, _ in bus.published]
+        up_to_the_ack = subjects[:subjects.index("orca.v1.engine.status") + 1]
+        master.ready = False  # restarting its workers: no step will come
+        bus.published.clear()
+        await admit(master, request("refused"), sequence=2)
+        acknowledged_at_once = [s for s, _ in bus.published]
+        master.ready = True
+        await stopped(stop, task, master)
+        return up_to_the_ack, acknowledged_at_once
+
+    up_to_the_ack, acknowledged_at_once = asyncio.run(go())
+    assert up_to_the_ack[0] == "orca.v1.engine.0.step" and up_to_the_ack[-1] == "orca.v1.engine.status"
+    assert "orca.v1.engine.status" not in up_to_the_ack[:-1]
+    assert "orca.v1.engine.status" in acknowledged_at_once
