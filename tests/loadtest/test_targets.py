@@ -1,12 +1,13 @@
-"""The transports, against stand-ins: an httpx mock of an OpenAI streaming endpoint, and a fake
-generate responder on a real nats-server. Both go through the streaming load generator."""
+"""The transports, against stand-ins: a local aiohttp server speaking OpenAI streaming completions, and
+a fake generate responder on a real nats-server. Both go through the streaming load generator."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
-import httpx
+from aiohttp import web
 
 from loadtest.datasets import random_requests
 from loadtest.loadgen import drive_streaming
@@ -19,8 +20,30 @@ def sse(*events: dict | str) -> bytes:
     return b"".join(b"data: " + (e if isinstance(e, str) else json.dumps(e)).encode() + b"\n\n" for e in events)
 
 
-def openai_stream(request: httpx.Request) -> httpx.Response:
-    body = json.loads(request.content)
+def event_stream(*events: dict | str) -> web.Response:
+    return web.Response(body=sse(*events, "[DONE]"), content_type="text/event-stream")
+
+
+@contextlib.asynccontextmanager
+async def completions_server(handler):
+    """`handler` (request body -> response) behind POST /v1/completions on a free local port; yields its URL."""
+    async def completions(request: web.Request) -> web.Response:
+        return handler(await request.json())
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def openai_stream(body: dict) -> web.Response:
     assert body["stream"] and body["stream_options"] == {"include_usage": True} and body["ignore_eos"]
     assert isinstance(body["prompt"], list) and body["model"] == "demo"
     n = body["max_tokens"]
@@ -28,12 +51,12 @@ def openai_stream(request: httpx.Request) -> httpx.Response:
     chunks.append({"choices": [{"index": 0, "text": "", "finish_reason": None}]})  # empty text: not a token chunk
     chunks.append({"choices": [{"index": 0, "text": "end", "finish_reason": "length"}], "usage": None})
     chunks.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
-    return httpx.Response(200, content=sse(*chunks, "[DONE]"), headers={"content-type": "text/event-stream"})
+    return event_stream(*chunks)
 
 
 def test_http_target_reads_openai_streaming_completions():
     async def main():
-        async with HttpTarget("http://gateway", model="demo", transport=httpx.MockTransport(openai_stream)) as t:
+        async with completions_server(openai_stream) as url, HttpTarget(url, model="demo") as t:
             return await drive_streaming(t, REQUESTS, [0.0, 0.0, 0.01], progress=False)
 
     result = asyncio.run(main())
@@ -48,14 +71,13 @@ def test_http_target_reads_openai_streaming_completions():
 def test_a_stream_whose_text_all_comes_last_still_has_a_first_token_time():
     """Held-back text (an incomplete UTF-8 sequence, say) can leave every chunk but the last empty."""
 
-    def late_text(request: httpx.Request) -> httpx.Response:
-        n = json.loads(request.content)["max_tokens"]
-        chunks = [{"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None},
-                  {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}}]
-        return httpx.Response(200, content=sse(*chunks, "[DONE]"), headers={"content-type": "text/event-stream"})
+    def late_text(body: dict) -> web.Response:
+        n = body["max_tokens"]
+        return event_stream({"choices": [{"index": 0, "text": "", "finish_reason": "length"}], "usage": None},
+                            {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": n}})
 
     async def main():
-        async with HttpTarget("http://gateway", transport=httpx.MockTransport(late_text)) as t:
+        async with completions_server(late_text) as url, HttpTarget(url) as t:
             return await drive_streaming(t, REQUESTS[:1], [0.0], progress=False)
 
     result = asyncio.run(main())
@@ -64,15 +86,26 @@ def test_a_stream_whose_text_all_comes_last_still_has_a_first_token_time():
 
 
 def test_http_errors_are_failed_requests():
-    def refuse(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(429, json={"error": {"message": "queue full"}})
+    def refuse(body: dict) -> web.Response:
+        return web.json_response({"error": {"message": "queue full"}}, status=429)
 
     async def main():
-        async with HttpTarget("http://gateway", transport=httpx.MockTransport(refuse)) as t:
+        async with completions_server(refuse) as url, HttpTarget(url) as t:
             return await drive_streaming(t, REQUESTS[:1], [0.0], progress=False)
 
     [record] = asyncio.run(main()).records
-    assert not record.success and "429" in record.error
+    assert not record.success and "429" in record.error and "queue full" in record.error
+
+
+def test_a_server_that_is_not_there_is_a_failed_request_not_a_crash():
+    async def main():
+        async with completions_server(openai_stream) as url:
+            pass  # the port is free again
+        async with HttpTarget(url) as t:
+            return await drive_streaming(t, REQUESTS[:1], [0.0], progress=False)
+
+    [record] = asyncio.run(main()).records
+    assert not record.success and record.error
 
 
 def test_nats_target_streams_generate_events(nats_url):
