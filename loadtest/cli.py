@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import uuid
+from pathlib import Path
 
 import msgspec
 
@@ -179,7 +180,23 @@ def _rate_text(rate: float | None) -> str:
 
 # ---- orca bench ----------------------------------------------------------------------------
 
+def prepare_outputs(args: argparse.Namespace) -> None:
+    """Make the folders of --save-result and --plot now, and refuse one that cannot be written before
+    anything runs: a benchmark of minutes must not end in a FileNotFoundError that loses its results."""
+    for flag, path in (("--save-result", args.save_result), ("--plot", args.plot)):
+        if not path:
+            continue
+        folder = Path(path).resolve().parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"{flag} {path}: cannot make its folder ({exc.strerror})") from None
+        if not os.access(folder, os.W_OK):
+            raise ValueError(f"{flag} {path}: its folder {folder} is not writable")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    prepare_outputs(args)
     if args.transport is None and args.load_result and not args.sweep:
         return finish(args, [], "orca bench")  # re-summarize / re-plot saved results only
     transport = args.transport or "http"
@@ -262,6 +279,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from loadtest.cost_models import make_cost_model
     from loadtest.simulator import simulate
 
+    prepare_outputs(args)
     cost_model = make_cost_model(args.cost_model, tp=args.tp, pp=args.pp)
     kv_cache_tokens = args.kv_cache_tokens or cost_model.default_kv_cache_tokens  # None: what fits beside the weights
     cache = section_from_args("cache", args, kv_cache_tokens=kv_cache_tokens)

@@ -34,6 +34,20 @@ def test_simulate_sweep_saves_capacities_and_plots(tmp_path, capsys):
     assert "capacity at 100 ms/token" in capsys.readouterr().out and again.exists()
 
 
+def test_result_and_plot_folders_are_made_and_an_unwritable_one_is_refused_before_anything_runs(tmp_path, capsys):
+    result, png = tmp_path / "out" / "bench" / "sim.json", tmp_path / "plots" / "sim.png"
+    assert main(["simulate", "--cost-model", "gpt3-175b-a100-tp8pp2", "--num-prompts", "5", "--disable-tqdm",
+                 "--save-result", str(result), "--plot", str(png)]) == 0
+    assert json.loads(result.read_text())["runs"] and png.exists()
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    capsys.readouterr()
+    assert main(["bench", "--transport", "nats", "--nats-url", "nats://127.0.0.1:1", "--num-prompts", "1",
+                 "--save-result", str(blocker / "r.json")]) == 2, "refused before it tries to reach a server"
+    assert "--save-result" in capsys.readouterr().err
+
+
 def test_bad_values_are_one_line_errors(capsys):
     assert main(["simulate", "--request-rate", "0", "--num-prompts", "5"]) == 2
     assert main(["bench", "--transport", "nats", "--policy", "orca", "request-level"]) == 2
