@@ -68,21 +68,40 @@ def default_worker_threads(cpus: int, workers: int) -> int:
     return max(1, (cpus - 1) // workers)
 
 
-def check_engines_fit(config: EngineConfig, settings: ServeConfig) -> None:
-    """ValueError, with the numbers, if the Ray cluster cannot hold every replica's workers at all (each
-    master checks its own again; one that is only busy waits for room)."""
-    import ray
-
+def check_engines_fit(config: EngineConfig, settings: ServeConfig, local_cpus: int | None = None) -> None:
+    """ValueError, with the numbers, if the connected Ray cluster (or, given `local_cpus`, the local Ray
+    that orca serve would start with them) cannot hold every replica's workers at all (each master
+    checks its own again; one that is only busy waits for room)."""
     from services.engine.placement import cluster_shortfall, worker_bundle
 
+    if local_cpus is None:
+        import ray
+
+        total, where = ray.cluster_resources(), {}
+    else:
+        total = {"CPU": float(local_cpus)}
+        where = {"cluster": "a local Ray on this machine", "grow": "serve from a larger Ray cluster (--ray-address)"}
     parallel = config.parallel
     what = (f"{settings.replicas} engine replica(s) of tp={parallel.tensor_parallel_size} "
             f"pp={parallel.pipeline_parallel_size}")
     shortfall = cluster_shortfall(settings.replicas * parallel.world_size,
-                                  worker_bundle(config.model.device, settings.worker_cpus),
-                                  ray.cluster_resources(), what=what)
+                                  worker_bundle(config.model.device, settings.worker_cpus), total, what=what,
+                                  **where)
     if shortfall:
         raise ValueError(shortfall)
+
+
+def starts_local_ray(ray_address: str | None) -> bool:
+    """Whether `ray.init(address=ray_address)` would start a new local Ray rather than join one (given
+    no address, Ray joins the one RAY_ADDRESS names or the latest `ray start` here); False when unsure."""
+    if ray_address is not None:
+        return False
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        return get_ray_address_from_environment(None, None) is None
+    except Exception:  # noqa: BLE001 - a Ray without this helper: Ray's own check after it starts applies
+        return False
 
 
 def start_engines(config: EngineConfig, nats_url: str, settings: ServeConfig, worker_threads: int,
@@ -197,6 +216,10 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
 
     from services.nats_server import LocalNatsServer
 
+    if config.model.device == "cpu" and starts_local_ray(args.ray_address):
+        # The local Ray it starts has this machine's CPUs at most: a split they cannot hold fails here,
+        # in a second, not after Ray's start (5-20 s). A cluster is checked once connected, below.
+        check_engines_fit(config, settings, local_cpus=os.cpu_count() or 1)
     http_port = PortReservation(args.host, args.port)  # before starting anything: a taken port fails at once
     args.port = http_port.port
     stop = {"now": False}

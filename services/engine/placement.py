@@ -26,16 +26,17 @@ def missing_resources(needed: dict[str, float], total: dict[str, float]) -> dict
     return {k: v - total.get(k, 0.0) for k, v in needed.items() if total.get(k, 0.0) + 1e-9 < v}
 
 
-def cluster_shortfall(num_workers: int, bundle: dict[str, float], total: dict[str, float], *, what: str) -> str | None:
-    """What is missing for `num_workers` bundles on a cluster of `total` resources, said for a user;
-    None when they fit (busy or not)."""
+def cluster_shortfall(num_workers: int, bundle: dict[str, float], total: dict[str, float], *, what: str,
+                      cluster: str = "the Ray cluster", grow: str = "add nodes") -> str | None:
+    """What is missing for `num_workers` bundles on `cluster` of `total` resources, said for a user
+    (with `grow`: how to get more); None when they fit (busy or not)."""
     needed = {k: v * num_workers for k, v in bundle.items()}
     lacking = missing_resources(needed, total)
     if not lacking:
         return None
     have = {k: total.get(k, 0.0) for k in needed}
-    return (f"{what} needs {num_workers} worker(s) of {bundle} = {needed} in all, but the Ray cluster has {have} "
-            f"(missing {lacking}); lower -tp/-pp, --replicas or --worker-cpus, or add nodes")
+    return (f"{what} needs {num_workers} worker(s) of {bundle} = {needed} in all, but {cluster} has {have} "
+            f"(missing {lacking}); lower -tp/-pp, --replicas or --worker-cpus, or {grow}")
 
 
 def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, name: str = "",

@@ -69,12 +69,14 @@ def test_a_killed_worker_costs_no_request_and_the_engine_serves_again(parallel_s
 
 
 def test_a_split_the_cluster_cannot_place_fails_fast_and_says_what_is_missing(demo_model):
-    """Checked right after Ray starts, before the tokenizer, admission and jobs services: nothing of
-    theirs is started for a split that can never run."""
+    """Checked against this machine's CPUs before a local Ray starts (and against a cluster's right after
+    connecting), so before the tokenizer, admission and jobs services: nothing of theirs is started for
+    a split that can never run."""
     cpus = os.cpu_count() or 1
     with pytest.raises(RuntimeError) as failure:
         OrcaServe(["--model", demo_model, "-tp", "2", "-pp", "2", "--worker-cpus", str(cpus), "--port", "0"],
                   timeout_s=120)
     log = str(failure.value)
     assert "orca: error: 1 engine replica(s) of tp=2 pp=2 needs 4 worker(s)" in log and "missing" in log, log
+    assert "a local Ray on this machine has" in log, "checked only after Ray started"
     assert "ready on nats://" not in log, "the services started before the check"

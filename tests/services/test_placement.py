@@ -1,5 +1,7 @@
 """What `orca serve` and each engine master say when the Ray cluster cannot hold the workers."""
 
+import pytest
+
 from services.engine.placement import cluster_shortfall, missing_resources, worker_bundle
 
 
@@ -23,3 +25,23 @@ def test_a_cuda_worker_needs_a_gpu_and_a_cluster_without_one_lacks_all_of_them()
 
 def test_a_fractional_share_that_adds_up_exactly_fits():
     assert cluster_shortfall(4, {"CPU": 0.25}, {"CPU": 1.0}, what="x") is None
+
+
+def test_a_split_this_machine_cannot_hold_is_refused_before_a_local_ray_starts():
+    """`orca serve` without --ray-address checks against this machine's CPUs first (no Ray needed)."""
+    from services.serve import check_engines_fit
+    from shared.config import EngineConfig, ModelConfig, ParallelConfig, ServeConfig
+
+    config = EngineConfig(model=ModelConfig(model="unused"),
+                          parallel=ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match=r"a local Ray on this machine has \{'CPU': 2\.0\} .*--ray-address"):
+        check_engines_fit(config, ServeConfig(worker_cpus=1.0), local_cpus=2)
+    check_engines_fit(config, ServeConfig(worker_cpus=0.5), local_cpus=2)  # four halves fit
+
+
+def test_only_a_ray_that_orca_serve_starts_itself_is_checked_against_this_machine(monkeypatch):
+    from services.serve import starts_local_ray
+
+    assert not starts_local_ray("10.0.0.5:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # ray.init(address=None) joins that cluster
+    assert not starts_local_ray(None)
