@@ -31,14 +31,14 @@ generate: setup $(DEMO_MODEL)/config.json
 	$(BIN)/orca generate --model $(DEMO_MODEL) --input examples/prompts.jsonl --output out/generations.jsonl
 	@cat out/generations.jsonl
 
-# Two pytest-xdist workers for all but tests/reliability (tests/conftest.py schedules whole groups: the
-# tests that share a stack, then each module, the longest first); then tests/reliability alone, whose
-# recovery times other tests' load would stretch.
+# The end-to-end tests that start stacks on two pytest-xdist workers (tests/conftest.py schedules whole
+# groups: the tests that share a stack, then each module, the longest first); then tests/reliability
+# alone, whose recovery times other tests' load would stretch, with the unit tests beside it at nice 19
+# (tests/run_suite.sh says why).
 PYTEST_WORKERS ?= 2
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not alone' --durations=25
-	$(BIN)/python -m pytest -q -m alone --durations=15
+	PYTHON=$(BIN)/python PYTEST_WORKERS=$(PYTEST_WORKERS) tests/run_suite.sh
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not slow'

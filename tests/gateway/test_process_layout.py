@@ -13,6 +13,8 @@ from services.cpu_binding import descendants, plan_cpu_layout
 from services.serve import default_worker_threads
 from tests.gateway.conftest import MODEL_NAME
 
+pytestmark = pytest.mark.slow  # on the gateway tests' stack
+
 WORKER = "ray::Worker"
 NO_TORCH = ("ray::EngineMasterActor", "services.tokenizer", "services.admission", "services.jobs", "ray::ServeController",
             "ray::ProxyActor", "ray::ServeReplica:orca-gateway")

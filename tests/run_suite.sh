@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `make test`: the whole suite, in the order that leaves the fewest cores idle on a small machine.
+#   1. The end-to-end tests that start stacks (marked slow; not tests/reliability) on PYTEST_WORKERS
+#      pytest-xdist workers: they keep both cores busy.
+#   2. tests/reliability by itself (marked alone): it times how fast a stack recovers from faults, and
+#      other stacks starting beside it would stretch those times. Its stack leaves most of a core idle,
+#   3. so the unit tests (neither slow nor alone) run beside it at nice 19: the scheduler gives them only
+#      the CPU that the stack under test does not want, which does not stretch its recoveries.
+# Every part runs whatever another's outcome; the exit status is non-zero if any failed.
+set -u
+PY=${PYTHON:-.venv/bin/python}
+WORKERS=${PYTEST_WORKERS:-2}
+unit_log=$(mktemp -t orca-unit-tests.XXXXXX)
+
+"$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'slow and not alone' --durations=25
+stacks=$?
+
+nice -n 19 "$PY" -m pytest -q -m 'not slow and not alone' --durations=10 > "$unit_log" 2>&1 &
+unit_pid=$!
+trap 'kill "$unit_pid" 2> /dev/null' EXIT
+echo "unit tests: running beside tests/reliability at nice 19, output in $unit_log (shown when they end)"
+"$PY" -m pytest -q -m alone --durations=15
+alone=$?
+wait "$unit_pid"
+unit=$?
+echo "---- unit tests (not slow, not tests/reliability), run at nice 19 ----"
+cat "$unit_log"
+rm -f "$unit_log"
+echo "make test: stacks rc=$stacks, tests/reliability rc=$alone, unit tests rc=$unit"
+exit $((stacks || alone || unit))
