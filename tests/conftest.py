@@ -57,7 +57,7 @@ which starts its own, is a group by itself); tests/deploy starts NATS
 clusters whose JetStream leader elections are slow enough under load without a second cluster electing
 beside them. Every other module is a group of its own (a module's own stack starts once)."""
 LONGEST_FIRST = ("reliability", "gateway", "tests/parallel/test_parallel_serve.py", BACKPRESSURE,
-                 "tests/observability/test_end_to_end.py", "deploy", "tests/parallel/test_parallel_serve_gpt2.py",
+                 "tests/observability/test_end_to_end.py", "deploy",
                  "tests/services/test_pipeline.py", "tests/model/test_hf_equivalence.py")
 """The groups that take longest (each starts a stack, or compiles), handed out first so that no worker
 is left with a long one at the end; the rest follow as collected."""

@@ -1,6 +1,8 @@
 """`orca serve -tp 2 -pp 2`: four worker actors in a Ray placement group, a gloo group between
 them, steps and results over NATS. Output equals the unsplit model's; the engine keeps two
-batches in flight; a killed worker costs no request."""
+batches in flight; a killed worker costs no request. The Llama family only: a Ray worker actor builds
+its shard with the same runner as `orca generate`'s worker processes, whose splits of every family
+(GPT-2's fused c_attn and biases included) test_parallel_engine.py compares with the whole model."""
 
 from __future__ import annotations
 
