@@ -11,20 +11,23 @@ set -u
 PY=${PYTHON:-.venv/bin/python}
 WORKERS=${PYTEST_WORKERS:-2}
 unit_log=$(mktemp -t orca-unit-tests.XXXXXX)
+unit_pid=
+# A background job ignores Ctrl-C; and pytest, interrupted, exits with a status, which would go on to the next part.
+trap '[ -n "$unit_pid" ] && kill "$unit_pid" 2> /dev/null; rm -f "$unit_log"' EXIT
+trap 'echo "make test: interrupted"; exit 130' INT TERM
 
 "$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'slow and not alone' --durations=25
 stacks=$?
 
 nice -n 19 "$PY" -m pytest -q -m 'not slow and not alone' --durations=10 > "$unit_log" 2>&1 &
 unit_pid=$!
-trap 'kill "$unit_pid" 2> /dev/null' EXIT
 echo "unit tests: running beside tests/reliability at nice 19, output in $unit_log (shown when they end)"
 "$PY" -m pytest -q -m alone --durations=15
 alone=$?
 wait "$unit_pid"
 unit=$?
 echo "---- unit tests (not slow, not tests/reliability), run at nice 19 ----"
+unit_pid=
 cat "$unit_log"
-rm -f "$unit_log"
 echo "make test: stacks rc=$stacks, tests/reliability rc=$alone, unit tests rc=$unit"
 exit $((stacks || alone || unit))
