@@ -59,9 +59,10 @@ async def latest_status(nc) -> EngineStatus:
     async def on_status(msg) -> None:
         if not got.done():
             got.set_result(codec.decode(msg.data))
-    sub = await nc.subscribe(subjects.ENGINE_STATUS, cb=on_status)
+    subs = [await nc.subscribe(subject, cb=on_status) for subject in (subjects.ENGINE_STATUS, subjects.ENGINE_PROGRESS)]
     status = await asyncio.wait_for(got, 10)
-    await sub.unsubscribe()
+    for sub in subs:
+        await sub.unsubscribe()
     return status
 
 

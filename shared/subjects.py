@@ -23,7 +23,9 @@ JOBS_CONSUMER = "orca-jobs"
 
 # Internal
 ADMISSION_SUBMIT = f"{PREFIX}.admission.submit"  # tokenizer -> admission: TokenizedRequest
-ENGINE_STATUS = f"{PREFIX}.engine.status"  # engine master -> admission: EngineStatus
+ENGINE_STATUS = f"{PREFIX}.engine.status"  # engine master -> admission, tokenizers, gateways: EngineStatus, the
+# heartbeat, and at once when the engine's readiness or incarnation changes
+ENGINE_PROGRESS = f"{PREFIX}.engine.progress"  # engine master -> admission: EngineStatus between heartbeats
 ADMISSION_STATUS = f"{PREFIX}.admission.status"  # admission -> gateways: AdmissionStatus
 TOKENIZER_STATUS = f"{PREFIX}.tokenizer.status"  # tokenizer -> gateways: TokenizerStatus (heartbeat)
 METRICS = f"{PREFIX}.metrics"  # every service -> gateways: MetricsSnapshot, once a second

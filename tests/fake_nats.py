@@ -5,17 +5,19 @@ from __future__ import annotations
 
 
 class RecordingNats:
-    """Records every publish as (subject, payload); subscribing and flushing do nothing."""
+    """Records every publish as (subject, payload) and every subscribed subject; subscribing delivers
+    nothing and flushing does nothing."""
 
     def __init__(self) -> None:
         self.published: list[tuple[str, bytes]] = []
+        self.subscribed: list[str] = []
         self.is_closed = False
 
     def new_inbox(self) -> str:
         return "_INBOX.fake"
 
     async def subscribe(self, subject: str, queue: str = "", cb=None) -> None:
-        return None
+        self.subscribed.append(subject)
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
         self.published.append((subject, payload))

@@ -53,6 +53,7 @@ class AdmissionService:
     async def start(self) -> None:
         await self.nc.subscribe(subjects.ADMISSION_SUBMIT, cb=self.on_submit)
         await self.nc.subscribe(subjects.ENGINE_STATUS, cb=self.on_status)
+        await self.nc.subscribe(subjects.ENGINE_PROGRESS, cb=self.on_status)
         await self.nc.subscribe(subjects.ABORT, cb=self.on_abort)
         self._heartbeat = asyncio.create_task(self._publish_periodically())
         self._watch = asyncio.create_task(self._watch_engines())

@@ -72,9 +72,10 @@ loop blocked) long enough that others may have counted it gone: it starts over a
 incarnation. Below the expiry, so it never keeps requests that tokenizers have resumed elsewhere."""
 ITERATION_STATUS_S = 0.02
 """After an iteration that freed no KV, the status goes out only if the last one is this old. Sent after
-every iteration, a single stream's 300 statuses a second cost admission, the gateways, the tokenizers
-and NATS CPU on each token (all decode every status) for news nobody acts on; an iteration that ends or
-preempts a request (KV freed: admission may send more) still reports at once, and so does an Admit."""
+every iteration, a single stream's 300 statuses a second cost admission and NATS CPU on each token for
+news nobody acts on; an iteration that ends or preempts a request (KV freed: admission may send more)
+still reports at once, and so does an Admit. These go to admission alone (ENGINE_PROGRESS): the tokenizers
+and gateways need only the heartbeat and news of readiness or incarnation (`publish_status`)."""
 
 
 class StepFailed(Exception):
@@ -125,6 +126,8 @@ class EngineMaster:
         Sent before it, the status woke admission, the tokenizers and the gateways (all decode every status)
         while that step had yet to leave: on a small machine they share the master's core, and a lone
         prompt's step left 0.45 ms later (benchmarks/README.md, 2026-12-05)."""
+        self._heard_as: tuple[bool, str] | None = None
+        """(ready, incarnation) of the last status on ENGINE_STATUS, the subject everyone hears."""
         self.pipeline_depth = config.parallel.pipeline_parallel_size
         self.max_in_flight = 2 if self.scheduler.async_scheduling else self.pipeline_depth
         """Iterations sent and not yet applied: one per pipeline stage, or under async scheduling the one
@@ -188,7 +191,7 @@ class EngineMaster:
                 self.start_over(now - last)
             last = now
             self._prune_outputs()
-            await self.publish_status()
+            await self.publish_status(heartbeat=True)
 
     def start_over(self, silent_s: float) -> None:
         """After a stall others may have taken for death: drop every request without a word (their
@@ -263,8 +266,8 @@ class EngineMaster:
 
     async def _finish_iteration(self, scheduler_output: SchedulerOutput, result: StepResult, started: float) -> None:
         events = self.scheduler.update(scheduler_output, result.output)
+        await self.publish_outputs(events)  # first: the tokens' way out is the latency users see
         self.telemetry.on_iteration(scheduler_output, result, events, started)
-        await self.publish_outputs(events)
         self.steps += 1
         self.step_seconds += time.perf_counter() - started
         self.execute_seconds += result.execute_s
@@ -456,9 +459,17 @@ class EngineMaster:
             max_batches_in_flight=self.max_batches_in_flight,
         )
 
-    async def publish_status(self) -> None:
+    async def publish_status(self, heartbeat: bool = False) -> None:
+        """The status on ENGINE_STATUS (everyone's) when it is the heartbeat or its readiness or incarnation
+        changed; else on ENGINE_PROGRESS, which only admission needs (its acknowledgements, the KV it frees)."""
         self._status_sent_at, self._status_owed = time.monotonic(), False
-        await self.nc.publish(subjects.ENGINE_STATUS, Codec.encode(self.status()))
+        status = self.status()
+        news = (status.ready, status.incarnation) != self._heard_as
+        if heartbeat or news:
+            self._heard_as = (status.ready, status.incarnation)
+            await self.nc.publish(subjects.ENGINE_STATUS, Codec.encode(status))
+        else:
+            await self.nc.publish(subjects.ENGINE_PROGRESS, Codec.encode(status))
 
 
 def finished_before_resume(request: Request, max_model_len: int) -> FinishReason | None:

@@ -140,6 +140,7 @@ ALLOWED = [
     ("tokenizer", subjects.engine_replay("0"), "engine"),  # asks a master for the outputs it missed
     ("engine", subjects.ENGINE_STATUS, "admission"),
     ("engine", subjects.ENGINE_STATUS, "gateway"),
+    ("engine", subjects.ENGINE_PROGRESS, "admission"),
     ("engine", subjects.detok("t1"), "tokenizer"),
     ("tokenizer", subjects.METRICS, "gateway"),
     ("admission", subjects.METRICS, "gateway"),
@@ -156,6 +157,8 @@ DENIED = [
     ("client", subjects.CANCEL, "engine"),
     ("client", subjects.detok("t1"), "tokenizer"),
     ("client", subjects.ENGINE_STATUS, "admission"),
+    ("client", subjects.ENGINE_PROGRESS, "admission"),
+    ("tokenizer", subjects.ENGINE_PROGRESS, "admission"),
     ("client", subjects.engine_replay("0"), "engine"),
     ("gateway", subjects.ADMISSION_SUBMIT, "admission"),
     ("gateway", subjects.engine_replay("0"), "engine"),

@@ -11,9 +11,13 @@ from core.admission import AdmissionQueue
 from core.batch import RunnerOutput, SchedulerOutput, StepResult
 from core.liveness import STALLED_OBSERVER_S, Heartbeats
 from core.placements import Placements
+from services.admission.service import AdmissionService
 from services.engine.master import EngineMaster
 from services.engine.worker_group import WorkerDied
+from services.gateway.engine_client import EngineClient
 from services.gateway.status import StatusBoard
+from services.tokenizer.recovery import Recovery
+from shared import subjects
 from shared.codec import Codec
 from shared.config import CacheConfig, EngineConfig, ModelConfig
 from shared.messages import (MAX_RESUMES, Admit, AdmissionStatus, Cancel, EngineStatus, IterationOutputs, Placed,
@@ -21,6 +25,8 @@ from shared.messages import (MAX_RESUMES, Admit, AdmissionStatus, Cancel, Engine
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
 from tests.fake_nats import RecordingNats
+
+STATUS_SUBJECTS = {subjects.ENGINE_STATUS, subjects.ENGINE_PROGRESS}
 
 EXPIRY = 3.0
 
@@ -357,25 +363,71 @@ def test_a_cancel_that_overtakes_its_admit_ends_the_request_before_it_runs_and_f
 
 
 def test_an_admit_is_acknowledged_right_after_the_step_it_joins_and_at_once_when_no_step_can_leave():
-    """The status that acknowledges an Admit wakes every service that reads statuses: it goes out after
-    the admitted prompt's step, not before it, but never waits for a step that cannot leave now."""
+    """The status that acknowledges an Admit wakes admission: it goes out after the admitted prompt's
+    step, not before it, but never waits for a step that cannot leave now."""
     async def go():
         master, bus, _, stop, task = await running_master()
         await asyncio.sleep(0.01)
         bus.published.clear()
         await admit(master, request("lone", max_tokens=3))
         await until_ended(bus, "lone")
-        subjects = [s for s, _ in bus.published]
-        up_to_the_ack = subjects[:subjects.index("orca.v1.engine.status") + 1]
+        sent = [s for s, _ in bus.published]
+        up_to_the_ack = sent[:sent.index(subjects.ENGINE_PROGRESS) + 1]
         master.ready = False  # restarting its workers: no step will come
         bus.published.clear()
         await admit(master, request("refused"), sequence=2)
-        acknowledged_at_once = [s for s, _ in bus.published]
+        acknowledged_at_once = [(s, Codec(EngineStatus).decode(data).last_admit_sequence)
+                                for s, data in bus.published if s in STATUS_SUBJECTS]
         master.ready = True
         await stopped(stop, task, master)
         return up_to_the_ack, acknowledged_at_once
 
     up_to_the_ack, acknowledged_at_once = asyncio.run(go())
-    assert up_to_the_ack[0] == "orca.v1.engine.0.step" and up_to_the_ack[-1] == "orca.v1.engine.status"
-    assert "orca.v1.engine.status" not in up_to_the_ack[:-1]
-    assert "orca.v1.engine.status" in acknowledged_at_once
+    assert up_to_the_ack[0] == "orca.v1.engine.0.step" and up_to_the_ack[-1] == subjects.ENGINE_PROGRESS
+    assert not STATUS_SUBJECTS & set(up_to_the_ack[:-1])
+    assert [sequence for _, sequence in acknowledged_at_once] == [2]
+
+
+def test_only_the_heartbeat_and_news_of_readiness_or_incarnation_reach_every_service():
+    """Statuses between heartbeats (acknowledgements, KV freed) go to admission alone: on a small machine
+    each one woke every tokenizer and gateway, on the cores the next step's messages need."""
+    async def go():
+        master, bus, _, stop, task = await running_master()
+        await asyncio.sleep(0.01)
+        started = [s for s, _ in bus.published if s in STATUS_SUBJECTS]
+        bus.published.clear()
+        await admit(master, request("a", max_tokens=3))
+        await until_ended(bus, "a")
+        serving = [s for s, _ in bus.published if s in STATUS_SUBJECTS]
+        bus.published.clear()
+        await master.publish_status(heartbeat=True)
+        master.start_over(silent_s=10.0)
+        await master.publish_status()
+        await stopped(stop, task, master)
+        return started, serving, [s for s, _ in bus.published if s in STATUS_SUBJECTS]
+
+    started, serving, later = asyncio.run(go())
+    assert started == [subjects.ENGINE_STATUS], "ready: news for everyone"
+    assert serving and set(serving) == {subjects.ENGINE_PROGRESS}, "acknowledgements and freed KV: admission's"
+    assert later[:2] == [subjects.ENGINE_STATUS, subjects.ENGINE_STATUS], "a heartbeat, then a new incarnation"
+    assert later[-1] == subjects.ENGINE_STATUS, "stopping: no longer ready"
+
+
+def test_admission_hears_every_engine_status_and_tokenizers_and_gateways_only_the_heartbeats():
+    async def go():
+        admission_bus, tokenizer_bus, gateway_bus = RecordingNats(), RecordingNats(), RecordingNats()
+        admission = AdmissionService(admission_bus, max_queue_len=8)
+        await admission.start()
+        await admission.stop()
+        recovery = Recovery(SimpleNamespace(nc=tokenizer_bus, instance="tok"))
+        await recovery.start()
+        await recovery.stop()
+        gateway = EngineClient(gateway_bus)
+        await gateway.start()
+        gateway._watching.cancel()
+        return admission_bus.subscribed, tokenizer_bus.subscribed, gateway_bus.subscribed
+
+    admission, tokenizer, gateway = asyncio.run(go())
+    assert {subjects.ENGINE_STATUS, subjects.ENGINE_PROGRESS} <= set(admission)
+    for heard in (tokenizer, gateway):
+        assert subjects.ENGINE_STATUS in heard and subjects.ENGINE_PROGRESS not in heard

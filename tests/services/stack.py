@@ -87,7 +87,8 @@ async def kill_while_streaming(nats_url: str, bodies: list[dict], pid: int, star
 
 
 async def engine_statuses(nats_url: str, seconds: float = 1.5) -> dict[str, object]:
-    """The latest status of each engine replica, heard over `seconds`."""
+    """The latest status of each engine replica, heard over `seconds` (the heartbeats and the statuses
+    between them, which only admission reads)."""
     from shared.codec import Codec
     from shared.messages import EngineStatus
 
@@ -99,7 +100,8 @@ async def engine_statuses(nats_url: str, seconds: float = 1.5) -> dict[str, obje
         status = codec.decode(msg.data)
         latest[status.replica] = status
 
-    await nc.subscribe("orca.v1.engine.status", cb=on_status)
+    for subject in ("orca.v1.engine.status", "orca.v1.engine.progress"):
+        await nc.subscribe(subject, cb=on_status)
     await asyncio.sleep(seconds)
     await nc.close()
     return latest
