@@ -33,7 +33,8 @@ generate: setup $(DEMO_MODEL)/config.json
 
 # The end-to-end tests that start stacks on two pytest-xdist workers (tests/conftest.py schedules whole
 # groups: the tests that share a stack, then each module, the longest first); then tests/reliability
-# alone, whose recovery times other tests' load would stretch, with the unit tests beside it at nice 19
+# alone (its shared stack's tests on one worker, its NATS-cluster module on the other), whose recovery
+# times other tests' load would stretch, with the unit tests beside it at nice 19
 # (tests/run_suite.sh says why).
 PYTEST_WORKERS ?= 2
 

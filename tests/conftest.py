@@ -40,23 +40,29 @@ def nats_url() -> Iterator[str]:
 
 
 ALONE = "tests/reliability/"
-"""Tests that `make test` runs after the end-to-end ones, alone (`-m alone`, one process; only the
-unit tests beside them, at nice 19): they time how fast the stack recovers from a fault (a restarted
-engine master must serve again within 30 s), and other tests' stacks starting on the same two cores
-stretch those times past their limits."""
+"""Tests that `make test` runs after the end-to-end ones, alone (`-m alone`; only the unit tests beside
+them, at nice 19): they time how fast the stack recovers from a fault (a restarted engine master must
+serve again within 30 s), and other tests' stacks starting on the same two cores stretch those times
+past their limits."""
+NATS_CLUSTER = "tests/reliability/test_nats_cluster.py"
+"""The one reliability module with its own stack (on a NATS cluster): `-m alone` runs it on a second
+worker beside the shared stack's tests. Both stacks start together, at the start; it is done in about a
+minute, while the shared stack runs its light tests (tests/reliability/conftest.py LIGHT) and before the
+chaos matrix's tight /health limits. Run one after the other, the phase kept the two cores 22% busy."""
 BACKPRESSURE = "tests/gateway/test_backpressure.py"
 GROUPS: dict[str, tuple[str, ...]] = {
+    NATS_CLUSTER: (NATS_CLUSTER,),
     "reliability": (ALONE,),
     BACKPRESSURE: (BACKPRESSURE,),
     "gateway": ("tests/gateway/",),
     "deploy": ("tests/deploy/",),
 }
 """Tests that must run in one pytest-xdist worker, by the path their ids start with: tests/reliability
-shares one `orca serve` (its drain test stops it, last); tests/gateway another (test_backpressure,
-which starts its own, is a group by itself); tests/deploy starts NATS
+(but NATS_CLUSTER) shares one `orca serve` (its drain test stops it, last); tests/gateway another
+(test_backpressure, which starts its own, is a group by itself); tests/deploy starts NATS
 clusters whose JetStream leader elections are slow enough under load without a second cluster electing
 beside them. Every other module is a group of its own (a module's own stack starts once)."""
-LONGEST_FIRST = ("reliability", "gateway", "tests/parallel/test_parallel_serve.py", BACKPRESSURE,
+LONGEST_FIRST = ("reliability", NATS_CLUSTER, "gateway", "tests/parallel/test_parallel_serve.py", BACKPRESSURE,
                  "tests/observability/test_end_to_end.py", "deploy",
                  "tests/services/test_pipeline.py", "tests/model/test_hf_equivalence.py")
 """The groups that take longest (each starts a stack, or compiles), handed out first so that no worker

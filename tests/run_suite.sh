@@ -3,7 +3,9 @@
 #   1. The end-to-end tests that start stacks (marked slow; not tests/reliability) on PYTEST_WORKERS
 #      pytest-xdist workers: they keep both cores busy.
 #   2. tests/reliability by itself (marked alone): it times how fast a stack recovers from faults, and
-#      other stacks starting beside it would stretch those times. Its stack leaves most of a core idle,
+#      other stacks starting beside it would stretch those times. On two workers: its shared stack's
+#      tests on one, the NATS-cluster module (its own stack, started at once) on the other. It leaves
+#      most of a core idle,
 #   3. so the unit tests (neither slow nor alone) run beside it at nice 19: the scheduler gives them only
 #      the CPU that the stack under test does not want, which does not stretch its recoveries.
 # Every part runs whatever another's outcome; the exit status is non-zero if any failed.
@@ -22,7 +24,7 @@ stacks=$?
 nice -n 19 "$PY" -m pytest -q -m 'not slow and not alone' --durations=10 > "$unit_log" 2>&1 &
 unit_pid=$!
 echo "unit tests: running beside tests/reliability at nice 19, output in $unit_log (shown when they end)"
-"$PY" -m pytest -q -m alone --durations=15
+"$PY" -m pytest -q -n 2 --no-loadscope-reorder -m alone --durations=15
 alone=$?
 wait "$unit_pid"
 unit=$?

@@ -23,10 +23,20 @@ JOBS_ACK_WAIT_S = 6.0
 """A killed jobs consumer's jobs go to another this long after its last heartbeat (30 s by default)."""
 
 
+LIGHT = ("test_supervision.py", "test_engine_fault.py", "test_watchdog.py", "test_jobs_consumer_crash.py")
+"""Modules that put little load on the machine: they run first, while the NATS-cluster module's stack
+(tests/conftest.py NATS_CLUSTER) starts and works on the other worker; the loaded ones (the broker
+restart, the chaos matrix, the soak) after it is done."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The drain test stops the shared stack: move it after every other reliability test."""
-    last = [item for item in items if item.get_closest_marker("stops_stack")]
-    items[:] = [item for item in items if item not in last] + last
+    """The light modules first; the drain test stops the shared stack: it goes after every other test."""
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("stops_stack"):
+            return 2
+        return 0 if item.path.name in LIGHT else 1
+
+    items.sort(key=rank)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -24,8 +24,9 @@ from tests.reliability.helpers import (connect, greedy_outputs, job_results, pub
 
 pytestmark = pytest.mark.slow
 
-WARMUP_S = 3.0
-"""Load before the fault: streams in flight and requests queued in admission."""
+WARMUP_S = 2.0
+"""Load before the fault: streams in flight and requests queued in admission (six clients for four
+sequences: from the first second on)."""
 ROW_LIMIT_S = 45.0
 UNHEALTHY_WITHIN_S = 5.0
 SERVED_WITHIN_S = 30.0
