@@ -6,8 +6,9 @@
 #      other stacks starting beside it would stretch those times. On two workers: its shared stack's
 #      tests on one, the NATS-cluster module (its own stack, started at once) on the other. It leaves
 #      most of a core idle,
-#   3. so the unit tests (neither slow nor alone) run beside it at nice 19: the scheduler gives them only
-#      the CPU that the stack under test does not want, which does not stretch its recoveries.
+#   3. so the unit tests (neither slow nor alone) run beside it at nice 19, on PYTEST_WORKERS workers too:
+#      the scheduler gives them only the CPU that the stacks under test do not want, which does not
+#      stretch their recoveries (on one worker they took longer than tests/reliability).
 # Every part runs whatever another's outcome; the exit status is non-zero if any failed.
 set -u
 PY=${PYTHON:-.venv/bin/python}
@@ -21,7 +22,7 @@ trap 'echo "make test: interrupted"; exit 130' INT TERM
 "$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'slow and not alone' --durations=25
 stacks=$?
 
-nice -n 19 "$PY" -m pytest -q -m 'not slow and not alone' --durations=10 > "$unit_log" 2>&1 &
+nice -n 19 "$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'not slow and not alone' --durations=10 > "$unit_log" 2>&1 &
 unit_pid=$!
 echo "unit tests: running beside tests/reliability at nice 19, output in $unit_log (shown when they end)"
 "$PY" -m pytest -q -n 2 --no-loadscope-reorder -m alone --durations=15
