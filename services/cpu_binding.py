@@ -63,7 +63,10 @@ def bind_this_process(cpus: Sequence[int]) -> bool:
     wanted = set(cpus)
     try:
         for thread_id in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread_id), wanted)
+            try:
+                os.sched_setaffinity(int(thread_id), wanted)
+            except ProcessLookupError:
+                pass  # a thread that ended since the listing: nothing of it left to bind
     except (OSError, ValueError) as exc:
         log.warning("could not bind this process to cores %s: %s", sorted(wanted), exc)
         return False
