@@ -42,7 +42,7 @@ test: setup
 	PYTHON=$(BIN)/python PYTEST_WORKERS=$(PYTEST_WORKERS) tests/run_suite.sh
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not slow'
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --no-loadscope-reorder -m 'not slow'
 
 bench: setup $(DEMO_MODEL)/config.json
 	LD_PRELOAD=$(TCMALLOC) $(BIN)/python benchmarks/engine_throughput.py --model $(DEMO_MODEL)

@@ -7,15 +7,25 @@ from orca_kernels.activations import gelu_tanh_torch, silu_and_mul_torch
 from orca_kernels.norms import layer_norm_torch, rms_norm_torch
 from orca_kernels.rotary import apply_rotary_torch
 
-llama = pytest.importorskip("transformers.models.llama.modeling_llama")
-hf_activations = pytest.importorskip("transformers.activations")
+
+
+# Imported by the tests that use them, not at collection: every pytest worker of `make test` collects
+# this module, and most run none of its tests (transformers takes 1-3 s to import here).
+@pytest.fixture(scope="module")
+def llama():
+    return pytest.importorskip("transformers.models.llama.modeling_llama")
+
+
+@pytest.fixture(scope="module")
+def hf_activations():
+    return pytest.importorskip("transformers.activations")
 
 
 def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
 
 
-def test_rms_norm_matches_llama():
+def test_rms_norm_matches_llama(llama):
     x, residual = _randn(5, 48), _randn(5, 48) * 0.5
     hf = llama.LlamaRMSNorm(48, eps=1e-6).double()
     with torch.no_grad():
@@ -33,17 +43,17 @@ def test_layer_norm_matches_nn():
         assert torch.equal(layer_norm_torch(x, ln.weight, ln.bias, 1e-5)[0], ln(x))
 
 
-def test_gelu_matches_gelu_new():
+def test_gelu_matches_gelu_new(hf_activations):
     x = _randn(4, 64) * 3
     assert torch.equal(gelu_tanh_torch(x), hf_activations.NewGELUActivation()(x))
 
 
-def test_silu_and_mul_matches_llama_mlp():
+def test_silu_and_mul_matches_llama_mlp(hf_activations):
     x = _randn(4, 64)
     assert torch.equal(silu_and_mul_torch(x), hf_activations.ACT2FN["silu"](x[:, :32]) * x[:, 32:])
 
 
-def test_rotary_matches_apply_rotary_pos_emb():
+def test_rotary_matches_apply_rotary_pos_emb(llama):
     num_tokens, nh, nkv, hd = 6, 4, 2, 16
     q, k = _randn(num_tokens, nh, hd), _randn(num_tokens, nkv, hd) + 1
     angles = torch.arange(32, dtype=torch.float64)[:, None] * torch.rand(hd // 2, dtype=torch.float64)[None, :]

@@ -12,8 +12,6 @@ import time
 import nats
 import pytest
 
-from engine.batch_job import run_batch
-from engine.llm_engine import LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tests.services.stack import (OrcaServe, cmdline, descendants, engine_statuses, kill_while_streaming, running,
                                   stream, worker_pids)
@@ -43,6 +41,11 @@ def requests() -> list[dict]:
 
 
 def in_process(demo_model: str, bodies: list[dict], dtype: str = "auto") -> dict[str, dict]:
+    """`orca generate`'s results for `bodies`, run here. Its imports (torch) happen here, not when the
+    module is collected: `make test`'s end-to-end workers collect every module and need no torch."""
+    from engine.batch_job import run_batch
+    from engine.llm_engine import LLMEngine
+
     engine = LLMEngine(EngineConfig(model=ModelConfig(model=demo_model, dtype=dtype),
                                     scheduler=SchedulerConfig(max_num_seqs=3), cache=CacheConfig(kv_cache_tokens=8192)))
     out = io.StringIO()
