@@ -162,15 +162,6 @@ class TokenizerStatus(msgspec.Struct, frozen=True):
     draining: bool = False
 
 
-class WorkerReady(msgspec.Struct, frozen=True):
-    """worker -> engine master when it has loaded its shard (also after a restart)."""
-
-    rank: int
-    """The worker's global rank (stage-major: pp_rank * tp + tp_rank)."""
-    incarnation: str
-    """New for each process: a restarted worker's ready is told apart from its predecessor's."""
-
-
 class AdmissionStatus(msgspec.Struct, frozen=True):
     """admission -> anyone (gateways shed load with it): the global queue's length and bound."""
 
