@@ -89,7 +89,7 @@ def test_take_waits_for_nothing_but_the_next_event():
         await asyncio.sleep(0)
         assert not waiting.done()
         asyncio.get_running_loop().call_soon(gen.deliver, 0, tok(5))
-        return await asyncio.wait_for(waiting, timeout=1)
+        return await asyncio.wait_for(waiting, timeout=30)
     assert [(i, e.token_ids) for i, e in asyncio.run(go())] == [(0, [5])]
 
 

@@ -39,7 +39,7 @@ def test_a_killed_supervisor_leaves_no_service_and_no_nats_server(demo_model):
     assert len(children) == 4 and all(running(pid) for pid in children)
     supervisor.send_signal(signal.SIGKILL)
     supervisor.wait()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # they stop within a second; `make test` runs this at nice 19 beside a busy phase
     while any(running(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = [pid for pid in children if running(pid)]
