@@ -187,10 +187,29 @@ def _openapi_without_422(app: FastAPI) -> dict:
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
     errors = exc.errors()
     first = errors[0] if errors else {}
+    whole_body = _whole_body_error(first)
+    if whole_body is not None:
+        return APIError(400, whole_body).response()
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors[:5])
     return APIError(400, message or "invalid request", param=loc[0] if loc else None).response()
+
+
+def _whole_body_error(error: dict) -> str | None:
+    """What is wrong with the body as a whole (not JSON, not an object, absent), in words a client can act
+    on; None for an error in one of its fields. FastAPI reports these at the loc ("body",) or, for JSON it
+    cannot parse, ("body", <character offset>)."""
+    kind, loc = error.get("type"), tuple(error.get("loc", ()))
+    if kind == "json_invalid":
+        return f"malformed JSON body at character {loc[-1]}: {error.get('ctx', {}).get('error', 'not JSON')}"
+    if loc != ("body",):
+        return None
+    if kind == "missing":
+        return "the request has no body: send a JSON object with Content-Type: application/json"
+    if isinstance(error.get("input"), bytes):  # a body FastAPI did not read as JSON: its content type said otherwise
+        return "the body was not read as JSON: send it with Content-Type: application/json"
+    return f"the body must be a JSON object, not {type(error.get('input')).__name__}"
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -12,6 +12,7 @@ from services.gateway.openai_types import ChatCompletionResponse, CompletionResp
 from services.gateway.prompts import resolve_max_tokens
 from services.gateway.responses import Choice, chat_logprobs, chat_response, completion_logprobs, completion_response
 from shared.messages import AdmissionStatus, EngineStatus, TokenizerStatus
+from tests.gateway.fakes import fake_gateway
 
 TOKENS = {1: "a", 2: "bc", 3: "é"}
 ENTRIES = [{"token_id": 1, "logprob": -0.5, "top_logprobs": [{"token_id": 1, "logprob": -0.5},
@@ -46,6 +47,23 @@ def test_generation_errors_map_to_the_right_status(text, status):
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
     if status == 429:
         assert error.headers["Retry-After"] == "1"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("body,content_type,words", [
+    (b'{"prompt": "hi" ', "application/json", "malformed JSON body at character 16: Expecting ',' delimiter"),
+    (b"", "application/json", "the request has no body"),
+    (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "send it with Content-Type: application/json"),
+    (b"[1, 2]", "application/json", "the body must be a JSON object, not list"),
+])
+def test_a_body_that_is_no_json_object_is_a_400_that_says_why(path, body, content_type, words):
+    http, client, _ = fake_gateway(lambda request: ["x"])
+    response = http.post(path, content=body, headers={"content-type": content_type})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"], error
+    assert error["param"] is None and error["type"] == "invalid_request_error", error
+    assert client.submitted == []
 
 
 def test_logprobs_in_openai_shapes():
