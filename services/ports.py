@@ -11,7 +11,19 @@ proxy do. Incoming connections go to listening sockets only, so the reservation 
 
 from __future__ import annotations
 
+import argparse
 import socket
+
+
+def port_number(text: str) -> int:
+    """argparse type of a TCP port flag: 0 (any free port) to 65535, or a usage error that says so."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0: any free port)")
+    return port
 
 
 class PortReservation:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from services.cpu_binding import CpuLayout, available_cpus, bind_process_tree, can_bind, plan_cpu_layout
 from services.local_ray import RayCluster
-from services.ports import PortReservation
+from services.ports import PortReservation, port_number
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
 from shared.codec import Codec
@@ -420,7 +420,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_serve_flags(g)
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI-compatible API) listen address")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    g.add_argument("--port", type=port_number, default=8000, help="HTTP port (0: any free port)")
     g.add_argument("--api-key", default=env.api_key(),
                    help="require 'Authorization: Bearer <key>' on the HTTP API (default: $ORCA_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="model name of the HTTP API (default: --model)")

@@ -92,3 +92,18 @@ def test_orca_serve_refuses_a_bad_setting_in_one_line_before_starting_anything(t
 def test_an_unknown_field_is_refused():
     with pytest.raises(ValueError, match="no serve config field"):
         add_serve_flags(argparse.ArgumentParser(), ["drain_timeout_s"])
+
+
+@pytest.mark.parametrize("port,words", [("80000", "80000 is not a port (0-65535"), ("-1", "-1 is not a port"),
+                                        ("http", "'http' is not a port number")])
+def test_a_port_out_of_range_is_a_usage_error_not_a_traceback(port, words, capsys):
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["serve", "--model", "m", "--port", port])
+    assert exit_info.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_port_zero_and_the_top_port_are_ports():
+    for port in ("0", "65535"):
+        assert build_parser().parse_args(["serve", "--model", "m", "--port", port]).port == int(port)

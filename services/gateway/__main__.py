@@ -13,6 +13,7 @@ from services.cli import add_chat_template_arg
 from services.gateway.app import build_app
 from services.gateway.state import GatewaySettings
 from services.logs import setup_logging
+from services.ports import port_number
 from services.service_args import add_service_args
 from shared import env
 
@@ -22,7 +23,7 @@ def main() -> None:
     add_service_args(parser, alive_file=None)
     parser.add_argument("--model", required=True, help="checkpoint directory (its tokenizer and config.json)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port_number, default=8000, help="HTTP port (0: any free port)")
     parser.add_argument("--api-key", default=env.api_key(), help="require 'Authorization: Bearer <key>' "
                         "(default: $ORCA_API_KEY)")
     parser.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
