@@ -51,7 +51,19 @@ class NatsTarget:
     async def __aenter__(self) -> NatsTarget:
         import nats
 
-        self._nc = await nats.connect(self.nats_url, name="orca-bench", pending_size=256 * 1024 * 1024)
+        said: list[str] = []
+
+        async def one_line(exc: Exception) -> None:  # nats.py's default prints a traceback per attempt
+            if not said or said[-1] != str(exc):
+                said.append(str(exc))
+                print(f"orca bench: NATS: {exc}", file=sys.stderr)
+
+        try:
+            # nats.py's defaults try a server that is not there for two minutes (60 tries, 2 s apart)
+            self._nc = await nats.connect(self.nats_url, name="orca-bench", pending_size=256 * 1024 * 1024,
+                                          error_cb=one_line, max_reconnect_attempts=4, reconnect_time_wait=0.5)
+        except Exception as exc:  # noqa: BLE001 - nothing to measure: one line for the CLI, not a traceback
+            raise ValueError(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
         self._inbox = self._nc.new_inbox()
         await self._nc.subscribe(self._inbox + ".*", cb=self._on_event)
         return self
@@ -244,8 +256,12 @@ def launch_serve(config: EngineConfig, threads: int | None = None,
 
 
 async def warm_up_streaming(target, request: GenerateRequest) -> None:
-    """One short request through a server before timing (its first passes pay one-off costs)."""
+    """One short request through a server before timing (its first passes pay one-off costs). A server
+    that cannot be reached, or fails the request, is a ValueError: one line for the CLI, before any run."""
     record = RequestRecord("warmup", time.perf_counter())
-    await asyncio.wait_for(target.generate(request, record), 300)
+    try:
+        await asyncio.wait_for(target.generate(request, record), 300)
+    except Exception as exc:  # noqa: BLE001 - refused connection, timeout, broken stream: nothing to measure
+        raise ValueError(f"the warm-up request failed ({type(exc).__name__}: {exc}); is the server up?") from None
     if record.error:
-        raise RuntimeError(f"warm-up request failed: {record.error}")
+        raise ValueError(f"the warm-up request failed: {record.error}")

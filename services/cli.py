@@ -45,9 +45,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     check_chat_template(config)
+    source = sys.stdin if args.input == "-" else _open(args.input, "r", "--input")
+    sink = sys.stdout if args.output == "-" else _open(args.output, "w", "--output")  # before the model loads
     engine = LLMEngine(config, stream_text=False)
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
-    sink = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     try:
         with source, sink:
             counts = run_batch(engine, source, sink, progress=not args.no_progress)
@@ -55,6 +55,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine.close()  # worker processes under -tp/-pp
     print(f"{counts['requests']} requests, {counts['errors']} errors -> {args.output}", file=sys.stderr)
     return 0
+
+
+def _open(path: str, mode: str, flag: str):
+    """A file of `orca generate`'s, opened before the model loads: a path it cannot use is one line now,
+    not a traceback after the load (or, for the output, after the whole batch has run)."""
+    try:
+        return open(path, mode, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

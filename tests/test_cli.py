@@ -61,3 +61,13 @@ def test_generate_with_a_bad_flag_says_so_without_a_traceback(demo_model, tmp_pa
     assert result.returncode == 2
     assert "max_model_len=99999 exceeds the model's context of 1024" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_refuses_files_it_cannot_use_before_it_loads_the_model(demo_model, tmp_path):
+    missing = orca("generate", "--model", demo_model, "--input", str(tmp_path / "nope.jsonl"), "--output", "-")
+    unwritable = orca("generate", "--model", demo_model, "--input", "-", "--output", str(tmp_path / "no" / "out.jsonl"),
+                      stdin="")
+    assert missing.returncode == unwritable.returncode == 2
+    assert missing.stderr.strip().splitlines() == [f"orca: error: --input {tmp_path / 'nope.jsonl'}: No such file or directory"]
+    assert unwritable.stderr.strip().splitlines() == [
+        f"orca: error: --output {tmp_path / 'no' / 'out.jsonl'}: No such file or directory"]

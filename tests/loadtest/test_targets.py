@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 
+import pytest
 from aiohttp import web
 
 from loadtest.datasets import random_requests
 from loadtest.loadgen import drive_streaming
-from loadtest.targets import HttpTarget, NatsTarget
+from loadtest.targets import HttpTarget, NatsTarget, warm_up_streaming
 
 REQUESTS = random_requests(3, (4, 6), (2, 3), seed=0)
 
@@ -106,6 +108,32 @@ def test_a_server_that_is_not_there_is_a_failed_request_not_a_crash():
 
     [record] = asyncio.run(main()).records
     assert not record.success and record.error
+
+
+def test_a_warm_up_that_cannot_reach_its_server_is_one_clear_error():
+    """`orca bench` warms the server up first: there a server that is not there is a usage error, not a traceback."""
+    async def main():
+        async with completions_server(openai_stream) as url:
+            pass  # the port is free again
+        async with HttpTarget(url) as t:
+            await warm_up_streaming(t, REQUESTS[0])
+
+    with pytest.raises(ValueError, match=r"the warm-up request failed \(ClientConnectorError: .*is the server up\?"):
+        asyncio.run(main())
+
+
+def test_a_nats_server_that_is_not_there_is_one_clear_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"nats://127.0.0.1:{s.getsockname()[1]}"  # free once closed: nobody listens there
+
+    async def main():
+        async with NatsTarget(url):
+            pass
+
+    with pytest.raises(ValueError, match=f"cannot connect to NATS at {url}"):
+        asyncio.run(main())
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_nats_target_streams_generate_events(nats_url):
