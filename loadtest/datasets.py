@@ -62,10 +62,18 @@ def orca_paper_requests(num_prompts: int, *, seed: int = 0, vocab_size: int = 40
     return random_requests(num_prompts, ORCA_PAPER_INPUT, ORCA_PAPER_OUTPUT, seed=seed, vocab_size=vocab_size)
 
 
+def _open_text(path: str | Path, flag: str):
+    """A workload file, or a ValueError that names the flag and why (the CLIs print it as one line)."""
+    try:
+        return open(path, encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+
 def jsonl_requests(path: str | Path, num_prompts: int | None = None) -> list[GenerateRequest]:
     """The first `num_prompts` requests of an `orca generate` input file (all when None)."""
     requests = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path, "--dataset-path") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -127,7 +135,7 @@ def load_trace(path: str | Path, *, vocab_size: int = 4096, seed: int = 0) -> tu
     Returns the requests (random prompts of those lengths, EOS ignored) and their arrival
     times, sorted by arrival."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path, "--trace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -34,7 +34,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def cmd_make_demo_model(args: argparse.Namespace) -> int:
     from model.demo import make_demo_model
 
-    path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    try:
+        path = make_demo_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    except OSError as exc:  # a folder it cannot make or write: one line
+        raise ValueError(f"cannot write a checkpoint to {args.dir}: {exc.strerror or exc}") from None
     print(f"wrote a {args.size} {args.arch} checkpoint to {path}", file=sys.stderr)
     return 0
 

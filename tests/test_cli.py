@@ -71,3 +71,12 @@ def test_generate_refuses_files_it_cannot_use_before_it_loads_the_model(demo_mod
     assert missing.stderr.strip().splitlines() == [f"orca: error: --input {tmp_path / 'nope.jsonl'}: No such file or directory"]
     assert unwritable.stderr.strip().splitlines() == [
         f"orca: error: --output {tmp_path / 'no' / 'out.jsonl'}: No such file or directory"]
+
+
+def test_make_demo_model_where_it_cannot_write_is_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = orca("make-demo-model", str(blocker / "demo"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"orca: error: cannot write a checkpoint to {blocker / 'demo'}")
+    assert "Traceback" not in result.stderr

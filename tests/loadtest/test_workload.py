@@ -109,3 +109,11 @@ def test_trace_file_is_sorted_by_arrival(tmp_path):
     requests, arrivals = load_trace(path)
     assert arrivals == [0.5, 2.0]
     assert [(len(r.prompt_token_ids), r.max_tokens) for r in requests] == [(3, 9), (5, 2)]
+
+
+def test_a_workload_file_that_is_not_there_is_a_value_error_naming_its_flag(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ValueError, match=f"--dataset-path {missing}: No such file or directory"):
+        load_dataset("jsonl", 4, path=str(missing))
+    with pytest.raises(ValueError, match=f"--trace {missing}: No such file or directory"):
+        load_trace(missing)
