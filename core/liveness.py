@@ -44,6 +44,12 @@ class Heartbeats:
             del self.last[name]
         return gone
 
+    def restart_clocks(self, now: float) -> None:
+        """The observer could not hear anyone for a while (its own connection was down): everyone known
+        gets a full expiry from now to be heard again."""
+        self.last = {name: (incarnation, now) for name, (incarnation, _) in self.last.items()}
+        self._looked_at = now
+
     def alive(self, name: str, incarnation: str) -> bool:
         entry = self.last.get(name)
         return entry is not None and entry[0] == incarnation

@@ -67,16 +67,23 @@ class Placements:
         tracked = self.tracked.get(request_id)
         return f"{tracked.engine[0]}/{tracked.engine[1]}" if tracked is not None and tracked.engine else None
 
-    def output_from(self, request_id: str, source: str) -> bool:
-        """An engine output for the request arrived from `source`: whether it counts. Only one engine's
-        do: the one that holds it (where `Placed` said, or, if that note was lost, the first heard from);
-        not an engine the request was moved away from, nor a second copy (a submission sent again after
-        a NATS outage that admission placed on another replica)."""
+    def output_from(self, request_id: str, source: str, copy: int | None = None) -> bool:
+        """An engine output for the request arrived from `source`, of its copy `copy` (`resumes` of the
+        copy that engine runs; None from an engine that does not say): whether it counts. Only the copy
+        last submitted counts, and only from one engine: the one that holds it (where `Placed` said, or,
+        if that note was lost, the first heard from), not a second engine running the same copy (a
+        submission sent again after a NATS outage that admission placed on another replica). An engine
+        the request was moved away from counts again for a newer copy placed there (it was judged gone
+        while only NATS was away); without `copy`, an engine it left never counts again."""
         tracked = self.tracked.get(request_id)
         if tracked is None:
             return True
         engine = tuple(source.split("/", 1))
-        if engine in tracked.left or len(engine) != 2:
+        if len(engine) != 2:
+            return False
+        if copy is not None and copy != tracked.tokenized.resumes:
+            return False  # a late output of a copy that no longer counts
+        if copy is None and engine in tracked.left:
             return False
         if tracked.engine is None:
             tracked.engine, tracked.bounced_at = (engine[0], engine[1]), None
@@ -91,13 +98,27 @@ class Placements:
         if tracked is not None:
             tracked.bounced_at = now
 
-    def placed(self, placed: Placed) -> None:
-        """Admission placed these requests. One whose engine is known already (heard from since it was
+    def placed(self, placed: Placed, now: float) -> list[str]:
+        """Admission placed these requests; returns those to resume at once: placed on an incarnation this
+        tokenizer has seen replaced (the note and the new incarnation's status crossed). An engine it has
+        not heard from gets the expiry from now to speak, as if it had: a placement on one that never does
+        must resume, not wait for ever. A request whose engine is known already (heard from since it was
         last submitted) stays there: this is a second copy's placement, whose outputs do not count."""
+        engine = (placed.replica, placed.incarnation)
+        known = self.engines.last.get(placed.replica)
+        if known is None:
+            self.engines.beat(placed.replica, placed.incarnation, now)
+        replaced = known is not None and known[0] != placed.incarnation
+        resume = []
         for request_id in placed.request_ids:
             tracked = self.tracked.get(request_id)
-            if tracked is not None and tracked.engine in (None, (placed.replica, placed.incarnation)):
-                tracked.engine, tracked.bounced_at = (placed.replica, placed.incarnation), None
+            if tracked is None or tracked.engine not in (None, engine):
+                continue
+            if replaced:
+                resume.append(request_id)
+            else:
+                tracked.engine, tracked.bounced_at = engine, None
+        return resume
 
     def keep_only(self, active: set[str] | dict) -> None:
         """Forget the requests that have ended (the shell does not report each end)."""
@@ -116,6 +137,13 @@ class Placements:
         self.admission, self.admission_at = status.incarnation, now
         return [r for r, t in self.tracked.items()
                 if t.bounced_at is not None or (restarted and t.engine is None)]
+
+    def on_reconnected(self, now: float) -> None:
+        """This observer's NATS connection is back: the statuses it missed say nothing of the others. Every
+        clock starts again from now (`tick` was not called while the connection was away)."""
+        self.engines.restart_clocks(now)
+        if self.admission_at is not None:
+            self.admission_at = now
 
     def tick(self, now: float) -> Decisions:
         """Engines silent past the expiry; requests that have waited too long for an admission."""

@@ -112,6 +112,11 @@ class IterationOutputs(msgspec.Struct, frozen=True, array_like=True):
     """From an engine: this message's number in the stream from that source to that tokenizer (0, 1,
     2, ...). A tokenizer that sees a gap, or reconnects to NATS, asks for the rest (`OutputsReplay`);
     -1 from admission, whose rare messages are not numbered."""
+    copies: list[int] = []
+    """From an engine: for each output, the copy of its request it comes from (`TokenizedRequest.resumes`
+    of the copy admitted). A request resumed onto the engine that held it before (one its tokenizer
+    judged gone while NATS was away) then still counts its new copy's outputs, never the old one's.
+    Empty from admission."""
 
 
 class OutputsReplay(msgspec.Struct, frozen=True):

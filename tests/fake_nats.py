@@ -12,6 +12,7 @@ class RecordingNats:
         self.published: list[tuple[str, bytes]] = []
         self.subscribed: list[str] = []
         self.is_closed = False
+        self.is_connected = True
 
     def new_inbox(self) -> str:
         return "_INBOX.fake"

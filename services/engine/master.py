@@ -426,21 +426,23 @@ class EngineMaster:
     # ---- messages out --------------------------------------------------------------------
 
     async def publish_outputs(self, events: list[RequestOutput]) -> None:
-        by_owner: dict[str, list[RequestOutput]] = {}
+        by_owner: dict[str, tuple[list[RequestOutput], list[int]]] = {}
         for event in events:
             held = self.held.get(event.request_id)
             if held is None:
                 continue
-            by_owner.setdefault(held.owner, []).append(event)
+            outputs, copies = by_owner.setdefault(held.owner, ([], []))
+            outputs.append(event)
+            copies.append(held.copy)
             if event.finish_reason is not None:
                 del self.held[event.request_id]
         source = engine_source(self.replica, self.incarnation)
         now = time.monotonic()
-        for owner, outputs in by_owner.items():
+        for owner, (outputs, copies) in by_owner.items():
             sent = self.outputs_sent.get(owner)
             if sent is None:
                 sent = self.outputs_sent[owner] = ReplayLog(window_s=OUTPUTS_WINDOW_S, max_messages=MAX_OUTPUTS_KEPT)
-            data = Codec.encode(IterationOutputs(outputs, source, sent.next_seq))
+            data = Codec.encode(IterationOutputs(outputs, source, sent.next_seq, copies))
             sent.append(data, now)
             await self.nc.publish(subjects.detok(owner), data)
 

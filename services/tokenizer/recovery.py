@@ -71,6 +71,9 @@ class Recovery:
             if request_id in self.service.active:
                 await self.service._submit(self.placements.tracked[request_id].tokenized)
 
+    def reconnected(self) -> None:
+        self.placements.on_reconnected(time.monotonic())
+
     def bounced(self, request_id: str) -> None:
         """No admission received it: it waits (up to the timeout) for one to come back."""
         self.placements.bounced(request_id, time.monotonic())
@@ -78,7 +81,7 @@ class Recovery:
     # ---- behind: engines and admission ---------------------------------------------------------
 
     async def _on_placed(self, msg: Msg) -> None:
-        self.placements.placed(placed_codec.decode(msg.data))
+        await self._resume(self.placements.placed(placed_codec.decode(msg.data), time.monotonic()))
 
     async def _on_engine_status(self, msg: Msg) -> None:
         status = engine_codec.decode(msg.data)
@@ -102,6 +105,10 @@ class Recovery:
                 log.exception("recovery round failed")
 
     async def tick(self, now: float) -> None:
+        if not self.service.nc.is_connected:
+            # It hears nobody: judging the engines now would take its own outage for theirs. The clocks
+            # start again when the connection is back (`reconnected`).
+            return
         self.placements.keep_only(self.service.active)
         decisions = self.placements.tick(now)
         await self._resume(decisions.resume)

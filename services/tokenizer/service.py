@@ -196,9 +196,12 @@ class TokenizerService:
         the next of its engine's stream."""
         message = outputs_codec.decode(msg.data)
         if message.source:
-            kept = [o for o in message.outputs if self.recovery.placements.output_from(o.request_id, message.source)]
+            placements = self.recovery.placements
+            copies = message.copies or [None] * len(message.outputs)
+            kept = [o for o, copy in zip(message.outputs, copies)
+                    if placements.output_from(o.request_id, message.source, copy)]
             if len(kept) < len(message.outputs):
-                message = msgspec.structs.replace(message, outputs=kept)
+                message = msgspec.structs.replace(message, outputs=kept, copies=[])
         if message.seq >= 0:
             seen = arrival(self.next_from.get(message.source, 0), message.seq)
             if seen is Arrival.REPEAT:
@@ -363,7 +366,8 @@ class TokenizerService:
         """Engine messages sent here while NATS was away may be lost: ask every engine that holds a
         request of this instance for its messages from the first not received (the clients ask this
         instance for the events they missed the same way), and submit again what no engine is known
-        to hold."""
+        to hold. The engines' heartbeats it missed meanwhile say nothing of them: it judges them afresh."""
+        self.recovery.reconnected()
         sources = {self.recovery.placements.engine_of(r) for r in self.active}
         for source in sources - {None}:
             self.replay_from(source)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 from core.admission import AdmissionQueue
@@ -19,7 +20,7 @@ from shared import subjects
 from shared.api import GenerateEvent, GenerateRequest
 from shared.codec import Codec
 from shared.config import EngineConfig, ModelConfig
-from shared.messages import Admit, IterationOutputs, Placed, OutputsReplay, OutputsReplayed
+from shared.messages import AdmissionStatus, Admit, IterationOutputs, OutputsReplay, OutputsReplayed, Placed
 from shared.outputs import FinishReason, RequestOutput
 from tests.reliability.test_recovery_logic import admit, request, running_master, status, stopped, until_ended
 from tests.reliability.test_recovery_shells import FakeNats, msg, settle, submissions, tokenizer_with_request
@@ -285,7 +286,99 @@ def test_only_the_engine_holding_a_request_has_its_outputs_counted():
     placements.submitted(request("r"))
     assert placements.output_from("r", "0/i1"), "the first engine heard from holds it (its Placed was lost)"
     assert not placements.output_from("r", "1/j1"), "a second copy on another replica does not count"
-    placements.placed(Placed("1", "j1", ["r"]))  # ... nor does its placement
+    placements.placed(Placed("1", "j1", ["r"]), now=0.0)  # ... nor does its placement
     assert placements.engine_of("r") == "0/i1"
     placements.submitted(request("r", resumes=1))  # resumed: 0/i1 is left behind
     assert not placements.output_from("r", "0/i1") and placements.output_from("r", "1/j1")
+
+
+def test_a_request_resumed_onto_the_engine_it_was_judged_gone_from_counts_its_new_copys_outputs():
+    """The tokenizer judged 0/i1 gone (no status for 3 s: only NATS was away) and resumed the request;
+    admission placed the new copy on 0/i1 again, alive all along. Its outputs count; the old copy's do not."""
+    from core.placements import Placements
+
+    placements = Placements()
+    placements.submitted(request("r"))
+    placements.on_engine_status(status("0", "i1"), now=0.0)
+    placements.placed(Placed("0", "i1", ["r"]), now=0.0)
+    resumed = [r for now in (0.25 * i for i in range(1, 17)) for r in placements.tick(now).resume]
+    assert resumed == ["r"]
+    placements.submitted(request("r", resumes=1))
+    placements.on_engine_status(status("0", "i1"), now=4.5)
+    placements.placed(Placed("0", "i1", ["r"]), now=4.5)
+    assert not placements.output_from("r", "0/i1", copy=0), "a late output of the old copy"
+    assert placements.output_from("r", "0/i1", copy=1), "the new copy, on the same engine"
+    assert not placements.output_from("r", "1/j1", copy=1), "the same copy on a second engine"
+    assert not placements.output_from("r", "0/i1"), "an engine that does not say which copy: left behind"
+
+
+def test_an_observer_back_from_its_own_outage_gives_everyone_a_full_expiry_again():
+    from core.liveness import Heartbeats
+    from core.placements import Placements
+
+    beats = Heartbeats(3.0)
+    beats.beat("0", "a", now=0.0)
+    beats.restart_clocks(now=10.0)  # it heard nobody from 0 to 10 s: its own connection was down
+    assert beats.expire(10.25) == [] and beats.expire(12.75) == [] and beats.alive("0", "a")
+    assert beats.expire(13.25) == [("0", "a")], "still silent a full expiry after the observer came back"
+
+    placements = Placements(no_admission_timeout_s=30.0)
+    placements.submitted(request("queued"))
+    placements.on_admission_status(AdmissionStatus(queue_len=1, max_queue_len=8, num_engines_ready=1), now=0.0)
+    placements.on_reconnected(now=40.0)
+    assert placements.tick(40.25).give_up == [], "the admission's silence was the observer's own"
+    assert placements.tick(70.5).give_up == ["queued"]
+
+
+def test_a_tokenizer_cut_off_from_nats_judges_no_engine_and_resumes_nothing_when_it_is_back():
+    async def go():
+        service, nc = await tokenizer_with_request()
+        recovery = service.recovery
+        await recovery._on_engine_status(msg(status("0", "i1")))
+        await recovery._on_placed(msg(Placed("0", "i1", ["r1"])))
+        before = len(submissions(nc))
+        nc.is_connected = False
+        now = time.monotonic()
+        for step in range(1, 41):  # 10 s without NATS
+            await recovery.tick(now + 0.25 * step)
+        nc.is_connected = True
+        service.on_reconnected()
+        await recovery.tick(time.monotonic() + 0.25)
+        during = submissions(nc)[before:]
+        await service.on_outputs(msg(IterationOutputs([RequestOutput("r1", (9,), finish_reason=FinishReason.LENGTH)],
+                                                      "0/i1", 0, [0])))
+        await settle()
+        await recovery.stop()
+        return during, nc.events()
+
+    during, events = asyncio.run(go())
+    assert during == [], "nothing resumed: the engine was never judged"
+    assert events[-1]["finish_reason"] == "length" and events[-1]["token_ids"] == [9]
+
+
+def test_the_master_says_which_copy_each_output_comes_from():
+    async def go():
+        master, bus, _, stop, task = await running_master()
+        await admit(master, request("first", max_tokens=2, resumes=0), sequence=1)
+        await admit(master, request("again", max_tokens=2, resumes=2), sequence=2)
+        await until_ended(bus, "first")
+        await until_ended(bus, "again")
+        await stopped(stop, task, master)
+        return [Codec(IterationOutputs).decode(d) for d in detok_messages(bus)]
+
+    copies = {o.request_id: c for message in asyncio.run(go()) for o, c in zip(message.outputs, message.copies,
+                                                                              strict=True)}
+    assert copies == {"first": 0, "again": 2}
+
+
+def test_a_placement_on_an_incarnation_already_replaced_or_never_heard_from_resumes_instead_of_waiting():
+    from core.placements import Placements
+
+    placements = Placements(expiry_s=3.0)
+    placements.submitted(request("late"))
+    placements.submitted(request("silent"))
+    placements.on_engine_status(status("0", "i2"), now=0.0)  # 0 restarted as i2 ...
+    assert placements.placed(Placed("0", "i1", ["late"]), now=0.1) == ["late"], "... then i1's Placed came"
+    assert placements.placed(Placed("1", "j1", ["silent"]), now=0.1) == [] and placements.engine_of("silent") == "1/j1"
+    assert [r for now in (1.0, 2.0, 3.0) for r in placements.tick(now).resume] == []
+    assert placements.tick(3.5).resume == ["silent"], "1/j1 never spoke: what it was given resumes"
