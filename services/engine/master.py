@@ -94,6 +94,10 @@ class Held:
     """Resumes so far, those before it came here and those after a worker died here."""
 
 
+DISCONNECTED_POLL_S = 0.5
+"""While NATS is away past a step's timeout, how often the master looks again (it must not spin)."""
+
+
 @dataclass
 class InFlight:
     """An iteration sent to the workers whose result has not been applied yet."""
@@ -119,6 +123,8 @@ class EngineMaster:
         self.recent_cancels: OrderedDict[str, FinishReason] = OrderedDict()
         self.last_admit_sequence = 0
         self.ready = False
+        self.restarting = False
+        """Its workers are being restarted after a failed step (`_recover`)."""
         self.steps, self.step_seconds, self.execute_seconds = 0, 0.0, 0.0
         self._status_sent_at = 0.0
         self._status_owed = False
@@ -248,6 +254,8 @@ class EngineMaster:
         while True:
             since = max(in_flight.started, self._bus_back_at)
             timeout = max(0.0, since + self.step_timeout_s - time.perf_counter())
+            if not self.nc.is_connected:  # no result can come before NATS does: look again now and then
+                timeout = max(timeout, DISCONNECTED_POLL_S)
             try:
                 return await self._wait_once(in_flight, interruptible, timeout)
             except StepTimedOut:
@@ -306,8 +314,13 @@ class EngineMaster:
             doomed = list(self.scheduler.requests)
         events = [e for rid in doomed if (e := self.scheduler.finish(rid, FinishReason.ERROR, message)) is not None]
         await self.publish_outputs(events)
-        # The incarnation stays: this master still holds its requests and resumes them itself.
-        await self.workers.restart(hard=True)
+        # The incarnation stays: this master still holds its requests and resumes them itself, and takes
+        # the admits that arrive meanwhile (sent before its status said not ready, or sent again).
+        self.restarting = True
+        try:
+            await self.workers.restart(hard=True)
+        finally:
+            self.restarting = False
         self.ready = True
         await self.publish_status()
 
@@ -348,7 +361,7 @@ class EngineMaster:
         cancelled = self.recent_cancels.pop(rid, None)
         if cancelled is not None:  # the cancel overtook the admission
             return RequestOutput(rid, finish_reason=cancelled)
-        if not self.ready:
+        if not self.ready and not self.restarting:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR, error=f"engine {self.replica} is not ready")
         if tokenized.resumes > MAX_RESUMES:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR,

@@ -5,6 +5,7 @@ through an in-memory bus and worker group. The same rules on real processes: tes
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 from core.admission import AdmissionQueue
@@ -97,8 +98,8 @@ def test_requests_resume_when_their_engine_expires_or_restarts_and_only_those():
     p = Placements(expiry_s=EXPIRY)
     for rid in ("a", "b", "c", "queued"):
         p.submitted(request(rid))
-    p.placed(Placed("0", "i1", ["a", "b"]))
-    p.placed(Placed("1", "j1", ["c"]))
+    p.placed(Placed("0", "i1", ["a", "b"]), now=0.0)
+    p.placed(Placed("1", "j1", ["c"]), now=0.0)
     assert p.on_engine_status(status("0", "i1"), now=0.0) == [] and p.on_engine_status(status("1", "j1"), 0.0) == []
     assert p.on_engine_status(status("1", "j2"), now=1.0) == ["c"], "replica 1 restarted: what it held is gone"
     p.tick(1.0)
@@ -111,7 +112,7 @@ def test_what_a_dead_admission_had_queued_is_resubmitted_and_a_bounced_submissio
     p = Placements(expiry_s=EXPIRY, no_admission_timeout_s=30.0)
     p.submitted(request("placed"))
     p.submitted(request("queued"))
-    p.placed(Placed("0", "i1", ["placed"]))
+    p.placed(Placed("0", "i1", ["placed"]), now=0.0)
     assert p.on_admission_status(AdmissionStatus(0, 10, 1, "adm1"), now=0.0) == []
     assert p.on_admission_status(AdmissionStatus(0, 10, 1, "adm1"), now=1.0) == []
     assert p.on_admission_status(AdmissionStatus(0, 10, 1, "adm2"), now=2.0) == ["queued"], "a new admission"
@@ -431,3 +432,69 @@ def test_admission_hears_every_engine_status_and_tokenizers_and_gateways_only_th
     assert {subjects.ENGINE_STATUS, subjects.ENGINE_PROGRESS} <= set(admission)
     for heard in (tokenizer, gateway):
         assert subjects.ENGINE_STATUS in heard and subjects.ENGINE_PROGRESS not in heard
+
+
+def test_a_master_waiting_for_a_result_while_nats_is_away_looks_again_twice_a_second_not_in_a_loop():
+    """Past the step timeout with the bus down, each wait timed out at once and the loop spun a core."""
+    from services.engine.master import InFlight
+    from services.engine.worker_group import StepTimedOut
+
+    class SilentWorkers(FakeWorkers):
+        async def wait(self, result, timeout_s, interrupt=None):
+            self.steps += 1
+            try:
+                return await asyncio.wait_for(asyncio.shield(result), timeout_s)
+            except asyncio.TimeoutError:
+                raise StepTimedOut("no result (test)") from None
+
+    async def go():
+        bus, workers = FakeBus(), SilentWorkers()
+        config = EngineConfig(model=ModelConfig(model="unused"), cache=CacheConfig(kv_cache_tokens=1024))
+        master = EngineMaster(config, "0", bus, workers, max_model_len=256, eos_token_ids=(0,), step_timeout_s=0.1)
+        bus.is_connected = False
+        result = asyncio.get_running_loop().create_future()
+        in_flight = InFlight(None, result, time.perf_counter() - 10)  # its timeout long past
+        waiting = asyncio.create_task(master._wait(in_flight, interruptible=False))
+        await asyncio.sleep(1.2)
+        looks = workers.steps
+        bus.is_connected, master._bus_back_at = True, time.perf_counter()  # back: the step timeout counts again
+        result.set_result("the result")
+        return looks, await asyncio.wait_for(waiting, 5)
+
+    looks, got = asyncio.run(go())
+    assert 2 <= looks <= 4, f"{looks} looks in 1.2 s"
+    assert got == "the result"
+
+
+def test_an_admit_that_arrives_while_the_workers_restart_waits_for_them_and_runs():
+    """Admission may send it before the status saying `not ready` reaches it (or send one again)."""
+    class SlowRestart(FakeWorkers):
+        def __init__(self) -> None:
+            super().__init__()
+            self.restarting, self.release = asyncio.Event(), asyncio.Event()
+
+        async def restart(self, hard: bool) -> None:
+            self.restarting.set()
+            await self.release.wait()
+            await super().restart(hard)
+
+    async def go():
+        bus, workers = FakeBus(), SlowRestart()
+        config = EngineConfig(model=ModelConfig(model="unused"), cache=CacheConfig(kv_cache_tokens=1024))
+        master = EngineMaster(config, "0", bus, workers, max_model_len=256, eos_token_ids=(0,), step_timeout_s=5.0)
+        bus.master = master
+        stop = asyncio.Event()
+        task = asyncio.create_task(master.run(stop))
+        await asyncio.sleep(0)
+        workers.die_at = {3}
+        await admit(master, request("before", max_tokens=6))
+        await asyncio.wait_for(workers.restarting.wait(), 5)
+        await admit(master, request("during", max_tokens=4), sequence=2)
+        workers.release.set()
+        outs = await until_ended(bus, "before", "during")
+        await stopped(stop, task, master)
+        return outs
+
+    outs = asyncio.run(go())
+    assert outs["during"][1] == (FinishReason.LENGTH, None) and len(outs["during"][0]) == 4
+    assert outs["before"][1] == (FinishReason.LENGTH, None), "resumed after the worker died"
