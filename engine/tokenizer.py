@@ -78,7 +78,13 @@ def render_messages(tokenizer: Tokenizer, request: GenerateRequest, chat_templat
     # content "" where an assistant message made only tool calls, as the gateway renders it
     messages = template_messages([{**msgspec.to_builtins(m), "content": m.content or ""}
                                   for m in request.messages or ()])
-    return tokenizer.apply_chat_template(messages, template_tools(request.tools, request.tool_choice), chat_template)
+    tools = template_tools(request.tools, request.tool_choice)
+    try:
+        return tokenizer.apply_chat_template(messages, tools, chat_template)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a Jinja error (a template's raise_exception) is still about the messages
+        raise ValueError(f"the chat template rejected the messages: {exc}") from None
 
 
 def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, *,

@@ -172,3 +172,32 @@ def test_orca_serve_passes_the_template_to_the_tokenizer_and_the_gateway(tmp_pat
     monkeypatch.setattr("services.gateway.app.start_on_ray_serve", lambda s, host, http_port: settings.update(s=s))
     serve.start_gateway(parsed, "nats://x", config, http_port=None)
     assert settings["s"].chat_template == OWN
+
+
+STRICT_TEMPLATE = ("{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('Conversation roles must start "
+                   "with user') }}{% endif %}" + OWN)
+
+
+def test_a_chat_template_that_rejects_the_messages_is_a_clear_error_where_requests_come_in():
+    """A template's raise_exception (role alternation, say) raises a Jinja error, not a ValueError: over NATS it
+    must still be an error event for that request (it was raised past the service, and the client waited)."""
+    import asyncio
+
+    from services.tokenizer.service import TokenizerService
+    from tests.fake_nats import RecordingNats
+
+    tokenizer = Tokenizer(byte_tokenizer(STRICT_TEMPLATE))
+    assistant_first = nats_request(messages=[{"role": "assistant", "content": "hello"}])
+    with pytest.raises(ValueError, match="the chat template rejected the messages: Conversation roles must start"):
+        render_messages(tokenizer, assistant_first)
+
+    async def go():
+        nc = RecordingNats()
+        service = TokenizerService(nc, tokenizer, vocab_size=256, instance="tok")
+        body = json.dumps({"id": "r", "messages": [{"role": "assistant", "content": "hello"}], "max_tokens": 2})
+        await service.on_generate(SimpleNamespace(data=body.encode(), reply="client.inbox", headers=None))
+        return [json.loads(data) for data in nc.on("client.inbox")]
+
+    events = asyncio.run(go())
+    assert len(events) == 1 and events[0]["finish_reason"] == "error", events
+    assert "Conversation roles must start with user" in events[0]["error"]
