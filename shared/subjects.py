@@ -57,6 +57,13 @@ placed = _instance_subject("placed")  # admission -> the tokenizer instance that
 detok = _instance_subject("detok")  # engine master -> the tokenizer instance that owns the requests: IterationOutputs
 
 
+def is_valid_tail(tail: str) -> bool:
+    """A string usable as the last tokens of a subject to publish to (a job id names its result's subject):
+    dot-separated tokens, none empty, none a wildcard, no whitespace."""
+    return (0 < len(tail) <= 256 and not any(c in tail for c in " \t\r\n")
+            and all(token not in ("", "*", ">") for token in tail.split(".")))
+
+
 def is_valid_token(token: str) -> bool:
     """A string usable as one subject token (ids from users end up in subjects)."""
     return bool(token) and len(token) <= 256 and not any(c in token for c in " .*>\t\r\n")

@@ -173,6 +173,9 @@ class JobsService:
 
     async def _handle(self, msg) -> None:
         job_id = self.job_id(msg)
+        if not subjects.is_valid_tail(job_id):
+            await self._refuse_id(job_id, msg)
+            return
         if job_id in self.in_flight:
             return  # redelivered while this instance still works on it: the first one acks
         async with self.concurrency:
@@ -193,6 +196,21 @@ class JobsService:
             finally:
                 heartbeat.cancel()
                 self.in_flight.discard(job_id)
+
+    async def _refuse_id(self, job_id: str, msg) -> None:
+        """A job id that cannot name a subject has no result subject to be stored under: its error goes
+        under the job's stream sequence instead, and it is acked (redelivered, it would fail forever)."""
+        stored_as = f"seq-{msg.metadata.sequence.stream}"
+        error = (f"job id {job_id!r} cannot name its result subject ({subjects.jobs_result('<id>')}): give a "
+                 "Nats-Msg-Id (or body id) without spaces, wildcards or empty dot-separated parts")
+        log.warning("job stored as %s: %s", stored_as, error)
+        try:
+            result = encode_json(JobResult(stored_as, "error", error=error))
+            await self.js.publish(subjects.jobs_result(stored_as), result, headers={"Nats-Msg-Id": f"result-{stored_as}"})
+            await msg.ack()
+        except Exception as exc:  # noqa: BLE001 - not acked: JetStream redelivers it
+            log.warning("job %s not finished (%s); it will be redelivered", stored_as, exc)
+            await msg.nak(delay=RETRY_DELAY_S)
 
     async def _keep_alive(self, msg) -> None:
         """Tell JetStream the job is still being worked on (queued or generating), so only a

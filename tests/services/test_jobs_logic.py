@@ -112,3 +112,27 @@ def test_a_malformed_job_gets_an_error_result_and_is_acked(generations):
     result = msgspec.json.decode(service.js.stored[subjects.jobs_result("j3")])
     assert generations == [] and bad.answers == ["ack"]
     assert result["finish_reason"] == "error" and "malformed job" in result["error"]
+
+
+@pytest.mark.parametrize("msg_id,body_id", [("a b", None), ("a.*", None), ("a..b", None), (None, "has space"),
+                                            ("x" * 300, None)])
+def test_a_job_whose_id_cannot_name_a_subject_gets_an_error_result_under_its_sequence_and_is_acked(
+        generations, msg_id, body_id):
+    """Its result subject would be `orca.v1.jobs.result.<id>`: NATS refuses such a subject, and the job was
+    redelivered every 2 s for ever."""
+    async def go():
+        service = jobs.JobsService(FakeNats())
+        body = {"prompt": "x", "max_tokens": 2, **({"id": body_id} if body_id else {})}
+        delivery = Delivery(body, msg_id=msg_id, stream_seq=42)
+        await service._handle(delivery)
+        return service, delivery
+
+    service, delivery = asyncio.run(go())
+    assert generations == [] and delivery.answers == ["ack"]
+    result = msgspec.json.decode(service.js.stored[subjects.jobs_result("seq-42")])
+    assert result["finish_reason"] == "error" and "cannot name its result subject" in result["error"]
+    assert list(service.js.stored) == [subjects.jobs_result("seq-42")]
+
+
+def test_a_dotted_job_id_still_names_its_result():
+    assert subjects.is_valid_tail("team.job-1") and subjects.is_valid_tail("j3")
