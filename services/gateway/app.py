@@ -191,9 +191,30 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     if whole_body is not None:
         return APIError(400, whole_body).response()
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:5])
-    return APIError(400, message or "invalid request", param=loc[0] if loc else None).response()
+    messages = dict.fromkeys(_field_error(e) for e in errors[:8])  # a union's branches say the same: once
+    return APIError(400, "; ".join(list(messages)[:5]) or "invalid request", param=loc[0] if loc else None).response()
+
+
+UNION_FIELDS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids "
+              f"(token ids >= 0, at most {t.MAX_PROMPTS} prompts)",
+    "stop": f"a string or a list of at most {t.MAX_STOP} non-empty strings",
+}
+"""Top-level fields of several forms: pydantic reports one error per form; the client needs the forms."""
+
+
+def _field_error(error: dict) -> str:
+    """One validation error as `field: what is wrong`."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    field = ".".join(loc) or "body"
+    if error.get("type") == "extra_forbidden":
+        name = loc[-1] if loc else field
+        if len(loc) == 1 and name in t.NOT_SUPPORTED:
+            return t.NOT_SUPPORTED[name]
+        return f"{field}: unknown field (the fields this server takes are in /openapi.json)"
+    if len(loc) > 1 and loc[0] in UNION_FIELDS:
+        return f"{loc[0]}: must be {UNION_FIELDS[loc[0]]}"
+    return f"{field}: {error.get('msg')}"
 
 
 def _whole_body_error(error: dict) -> str | None:

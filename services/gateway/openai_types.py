@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP bodies, as pydantic models (FastAPI builds /openapi.json from them).
 
 Requests are strict (no "1" for 1, no NaN, unknown fields refused: OpenAI refuses them too), and
-every range the gateway enforces is in the schema, so the schema says what the routes accept.
+every range the gateway enforces is in the schema, so the schema says what the routes accept. A field
+that has a default also takes null, meaning that default: OpenAI's optional fields are nullable, and its
+SDK sends null for an argument given as None.
 What only the running system knows (the context length, the vocabulary) is checked at request time.
 Responses are built as plain dicts on the hot path; the response models here document their shape.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,13 +29,39 @@ FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Prompt = (NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+# A text prompt may be empty: it is refused only if it tokenizes to nothing (a tokenizer that adds BOS gives one token).
+Prompt = (str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
           | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
 Stop = NonEmptyStr | Annotated[list[NonEmptyStr], Field(max_length=MAX_STOP)] | None
 
 
+def _nullable_optionals(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """The schema of a request model: every field that is not required also takes null."""
+    required = set(schema.get("required", ()))
+    for key, prop in schema.get("properties", {}).items():
+        if key in required or {"type": "null"} in prop.get("anyOf", ()):
+            continue
+        notes = {k: prop.pop(k) for k in ("default", "title", "description") if k in prop}
+        schema["properties"][key] = {"anyOf": [prop, {"type": "null"}], **notes}
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_nullable_optionals)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        optional = _optional_keys(cls)
+        return {key: value for key, value in data.items() if value is not None or key not in optional}
+
+
+@cache
+def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The JSON keys (names and aliases) of the fields of `model` that have a default."""
+    return frozenset(key for name, field in model.model_fields.items() if not field.is_required()
+                     for key in (name, field.alias) if key is not None)
 
 
 class StreamOptions(Strict):
@@ -98,8 +127,8 @@ class SamplingFields(Strict):
     """vLLM extra."""
     ignore_eos: bool = False
     """vLLM extra: generate max_tokens tokens whatever the model says."""
-    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    """With n > 1, choice i uses seed + i."""
+    seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = None
+    """Any 64-bit signed integer, as vLLM takes it. With n > 1, choice i uses seed + i."""
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
@@ -109,6 +138,16 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
+    """Accepted and ignored."""
+    store: bool | None = None
+    """Accepted and ignored: nothing is stored."""
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    """Accepted and ignored."""
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """Accepted and ignored: there is one tier."""
+    prompt_cache_key: Annotated[str, Field(max_length=256)] | None = None
+    """Accepted and ignored: with `--enable-prefix-caching` shared prefixes are reused whatever the key."""
+    safety_identifier: Annotated[str, Field(max_length=256)] | None = None
     """Accepted and ignored."""
     response_format: ResponseFormat | None = None
     """OpenAI's: text, json_object, or json_schema (the output matches `json_schema.schema`)."""
@@ -129,8 +168,6 @@ class CompletionRequest(SamplingFields):
     """Return the prompt in front of the completion."""
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     """Accepted only when equal to n."""
-    suffix: None = None
-    """Not supported (must be null)."""
 
 
 class TextPart(Strict):
@@ -210,6 +247,8 @@ class ChatCompletionRequest(SamplingFields):
     function: it calls that one. `required` and named calls are constrained to the parameter schemas."""
     parallel_tool_calls: bool = True
     """false: at most one tool call."""
+    modalities: Annotated[list[Literal["text"]], Field(min_length=1)] | None = None
+    """Only ["text"]."""
 
 
 class TokenizeRequest(Strict):
@@ -222,6 +261,21 @@ class TokenizeRequest(Strict):
 class DetokenizeRequest(Strict):
     model: str | None = None
     tokens: list[TokenId]
+
+
+NOT_SUPPORTED = {
+    "suffix": "suffix (insertion) is not supported",
+    "functions": "functions and function_call are OpenAI's deprecated form: give tools and tool_choice",
+    "function_call": "functions and function_call are OpenAI's deprecated form: give tools and tool_choice",
+    "reasoning_effort": "reasoning_effort is not supported: the served model does not reason",
+    "prediction": "predicted outputs (prediction) are not supported",
+    "audio": "audio output is not supported",
+    "web_search_options": "web search is not supported",
+    "use_beam_search": "beam search is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported: the engine returns the log-probabilities of generated tokens",
+}
+"""OpenAI's and vLLM's request fields this server does not implement, and what it says when one is sent (a
+400: ignoring them would change what the client gets without telling it)."""
 
 
 # ---- responses ---------------------------------------------------------------------------------

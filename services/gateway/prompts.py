@@ -115,6 +115,11 @@ def check_unsupported(request: SamplingFields) -> None:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        # OpenAI's answer starts with the prompt's tokens and their log-probabilities: without them the
+        # offsets and a client's sums (lm-eval's loglikelihood) would be wrong, not merely shorter
+        raise APIError(400, "echo with logprobs is not supported: the engine returns the log-probabilities of "
+                            "generated tokens only, not the prompt's", param="echo")
     if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
         raise APIError(400, "best_of must equal n (beam search and best-of are not supported)", param="best_of")
     if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:

@@ -52,7 +52,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 C, CH, TOK, DETOK = "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"
 BAD = [
     (C, b"not json", 400, None), (C, b"[1, 2]", 400, None), (C, b"{}", 400, "prompt"), (C, b"", 400, None),
-    (C, completion(prompt=""), 400, "prompt"), (C, completion(prompt=[]), 400, "prompt"),
+    (C, completion(prompt=[]), 400, "prompt"),
     (C, completion(prompt=[[]]), 400, "prompt"), (C, completion(prompt=[-1]), 400, "prompt"),
     (C, completion(prompt=[999999]), 400, "prompt"), (C, completion(prompt=5), 400, "prompt"),
     (C, completion(prompt=["a", 1]), 400, "prompt"), (C, completion(prompt=["a"] * 33), 400, "prompt"),
@@ -64,7 +64,7 @@ BAD = [
     (C, completion(temperature="hot"), 400, "temperature"), (C, completion(top_p=0), 400, "top_p"),
     (C, completion(top_p=1.5), 400, "top_p"), (C, completion(top_k=-2), 400, "top_k"),
     (C, completion(min_p=2), 400, "min_p"), (C, completion(n=0), 400, "n"), (C, completion(n=17), 400, "n"),
-    (C, completion(n=True), 400, "n"), (C, completion(seed=-1), 400, "seed"), (C, completion(seed=2**64), 400, "seed"),
+    (C, completion(n=True), 400, "n"), (C, completion(seed=-2**63 - 1), 400, "seed"), (C, completion(seed=2**64), 400, "seed"),
     (C, completion(stop=[""]), 400, "stop"), (C, completion(stop=["s"] * 17), 400, "stop"),
     (C, completion(stop=5), 400, "stop"), (C, completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
     (C, completion(presence_penalty=3), 400, "presence_penalty"),
@@ -152,6 +152,20 @@ def test_sse_framing_completions_and_chat(http):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in c for c in chunks) and {c["object"] for c in chunks} == {"chat.completion.chunk"}
+
+
+def test_an_empty_prompt_is_served_from_the_bos_its_tokenizer_adds(http):
+    """As vLLM serves it; a prompt that tokenizes to nothing is refused (tests/gateway/test_request_fields.py)."""
+    out = http.post(C, json=completion(prompt="", max_tokens=2, temperature=0, logprobs=None)).json()
+    assert out["usage"]["prompt_tokens"] == 1 and out["choices"][0]["finish_reason"] == "length", out
+
+
+def test_the_openai_sdk_sends_none_as_null_and_it_means_the_default(http):
+    """`client.completions.create(temperature=None, ...)` puts null in the body."""
+    body = completion(prompt="def main():", max_tokens=4, temperature=0)
+    plain = http.post(C, json=body).json()["choices"][0]["text"]
+    nulls = http.post(C, json={**body, "top_p": None, "n": None, "stream": None, "echo": None, "seed": None}).json()
+    assert nulls["choices"][0]["text"] == plain
 
 
 def test_echo_and_stop(http):
