@@ -61,7 +61,9 @@ class AdmissionService:
         on_reconnect(self.nc, self.on_reconnected)
 
     def on_reconnected(self) -> None:
-        """Admits sent while NATS was away may be lost: those not acknowledged go again at once."""
+        """Admits sent while NATS was away may be lost: those not acknowledged go again at once. The
+        engines' statuses it missed meanwhile say nothing of them: each gets a full expiry to be heard."""
+        self.queue.heartbeats.restart_clocks(time.monotonic())
         asyncio.get_running_loop().create_task(self._send_again(older_than_s=0.0))
 
     async def _send_again(self, older_than_s: float = ADMIT_RESEND_S, now: float | None = None) -> None:
@@ -84,7 +86,10 @@ class AdmissionService:
 
     async def check_engines(self, now: float) -> None:
         """Drop engines silent past the expiry (at once: nothing more is routed to them), end what
-        waited too long for any engine at all, and send again the admits still unacknowledged."""
+        waited too long for any engine at all, and send again the admits still unacknowledged. Not while
+        NATS is away: it hears no engine then, and would take its own outage for theirs."""
+        if not self.nc.is_connected:
+            return
         await self._send_again(now=now)
         gone = self.queue.expire(now)
         if gone:

@@ -498,3 +498,27 @@ def test_an_admit_that_arrives_while_the_workers_restart_waits_for_them_and_runs
     outs = asyncio.run(go())
     assert outs["during"][1] == (FinishReason.LENGTH, None) and len(outs["during"][0]) == 4
     assert outs["before"][1] == (FinishReason.LENGTH, None), "resumed after the worker died"
+
+
+def test_admission_cut_off_from_nats_keeps_routing_to_its_engines_and_gives_each_a_full_expiry_once_back():
+    async def go():
+        bus = RecordingNats()
+        admission = AdmissionService(bus, max_queue_len=8)
+        await admission.on_status(SimpleNamespace(data=Codec.encode(status("0", "i1"))))
+        now = time.monotonic()
+        bus.is_connected = False
+        await admission.check_engines(now + 10.0)
+        during = sorted(admission.queue.engines)
+        bus.is_connected = True
+        admission.on_reconnected()
+        await asyncio.sleep(0)
+        back = time.monotonic()
+        await admission.check_engines(back + 0.25)
+        after = sorted(admission.queue.engines)
+        for step in range(2, 15):  # looking every 0.25 s, as it does
+            await admission.check_engines(back + 0.25 * step)
+        return during, after, sorted(admission.queue.engines)
+
+    during, after, silent = asyncio.run(go())
+    assert during == ["0"] and after == ["0"], "its own outage is not the engine's death"
+    assert silent == [], "an engine still silent a full expiry after the reconnect is gone"
