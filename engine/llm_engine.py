@@ -120,6 +120,7 @@ class LLMEngine:
                     priority: int = 0) -> Completion:
         """Validate and queue; raises ValueError with the reason if the request cannot be served."""
         params = params.validate()
+        params.check_vocabulary(self.vocab_size)
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -1,6 +1,6 @@
 """Turn the logits of one iteration into one token per request.
 
-Order, as in vLLM: penalties, then greedy argmax or temperature / top-k / top-p / min-p
+Order, as in vLLM: logit bias, penalties, then greedy argmax or temperature / top-k / top-p / min-p
 and a draw. A request with a seed draws from its own generator, so its tokens do not
 depend on what else is in the batch. Logprobs are of the model's raw distribution.
 """
@@ -32,7 +32,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState],
     Batched: greedy rows take one argmax, unseeded random rows one batched draw; only rows with
     penalties or their own seed (whose draws must not depend on the batch) are handled one by one."""
     raw = logits
-    penalised = [row for row, s in enumerate(states) if s.params.needs_penalties]
+    penalised = [row for row, s in enumerate(states) if s.params.adjusts_logits]
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     elif penalised:
@@ -80,7 +80,11 @@ def _draw_batch(logits: torch.Tensor, params: list[SamplingParams], generator: t
 
 
 def _apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
+    """The request's logit bias, then its penalties, into its row of logits."""
     params = state.params
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
+        row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device))
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(state.token_ids)), dtype=torch.long, device=row.device)
         scores = row[seen]

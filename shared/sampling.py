@@ -13,6 +13,8 @@ import msgspec
 from shared.structured import StructuredOutputs
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024
+"""Most entries in one request's logit_bias."""
 
 
 class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +37,9 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's: token id -> a bias in [-100, 100] added to its logit before the penalties and sampling
+    (-100 all but bans the token, 100 all but forces it). Logprobs stay those of the raw distribution."""
 
     def knobs(self) -> dict:
         """These fields by name (to build a SamplingParams from a request body)."""
@@ -53,12 +58,20 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         return self.temperature == 0.0
 
     @property
-    def needs_penalties(self) -> bool:
+    def adjusts_logits(self) -> bool:
+        """Whether its logits change before sampling (a bias or a penalty): the sampler's per-row path."""
         return (
-            self.repetition_penalty != 1.0
+            bool(self.logit_bias)
+            or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id it names is outside the vocabulary (the sampler would index past it)."""
+        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
 
     def validate(self) -> SamplingParams:
         """Return self (with top_k=-1 normalised to 0) or raise ValueError naming the field."""
@@ -84,6 +97,7 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
                "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check_logit_bias(self.logit_bias or {})
         params = self
         if self.top_k == -1:
             params = msgspec.structs.replace(params, top_k=0)
@@ -94,6 +108,14 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
 
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_logit_bias(bias: dict[int, float]) -> None:
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    for token, value in bias.items():
+        _check(isinstance(token, int) and token >= 0, "logit_bias token id", token, "must be an integer >= 0")
+        _check(_finite(value) and -100.0 <= value <= 100.0, f"logit_bias[{token}]", value, "must be in [-100, 100]")
 
 
 def _check(ok: bool, field: str, value: object, rule: str) -> None:

@@ -192,7 +192,7 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
                  echo: list[str] | None, constraint: StructuredOutputs | None = None,
                  tools: ToolUse | None = None) -> Response:
     public_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, constraint)
+    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, state.prompts.vocab_size, constraint)
     state.check_can_take()  # tokenizing took a while: look again before publishing
     generation = await state.client.submit(public_id, requests)
     state.tokens["prompt"] += sum(len(p.token_ids) for p in prompts) * body.n

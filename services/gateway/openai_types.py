@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.sampling import MAX_TOP_LOGPROBS
+from shared.sampling import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 MAX_N = 16
 """Most choices per prompt (`n`)."""
@@ -133,8 +133,10 @@ class SamplingFields(Strict):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     """vLLM extra."""
-    logit_bias: dict[str, float] | None = None
-    """Accepted only empty: not supported."""
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    """Token id (as a string, as OpenAI takes it) -> a bias in [-100, 100] added to its logit before
+    sampling: -100 all but bans the token, 100 all but forces it."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None

@@ -111,8 +111,6 @@ def resolve_max_tokens(prompt_len: int, asked: int | None, context: int, default
 
 def check_unsupported(request: SamplingFields) -> None:
     """Fields accepted for compatibility but only in their neutral form."""
-    if request.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
@@ -126,9 +124,24 @@ def check_unsupported(request: SamplingFields) -> None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
+def logit_bias(request: SamplingFields, vocab_size: int) -> dict[int, float] | None:
+    """The request's logit_bias by token id; a key that is no token id of the vocabulary is a 400."""
+    if not request.logit_bias:
+        return None
+    bias = {}
+    for key, value in request.logit_bias.items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id of the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        bias[int(key)] = value
+    return bias
+
+
 def generate_requests(public_id: str, request: SamplingFields, prompts: list[PromptInput], max_tokens: list[int],
-                      logprobs: int | None, constraint: StructuredOutputs | None = None) -> list[GenerateRequest]:
+                      logprobs: int | None, vocab_size: int,
+                      constraint: StructuredOutputs | None = None) -> list[GenerateRequest]:
     """`constraint`: what every output must match (checked already: `constraints.output_constraint`)."""
+    bias = logit_bias(request, vocab_size)
     out = []
     for p, prompt in enumerate(prompts):
         for j in range(request.n):
@@ -139,7 +152,7 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop,
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty, structured_outputs=constraint)
+                frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint)
             try:
                 generate.sampling_params()
             except ValueError as exc:

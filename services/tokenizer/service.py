@@ -157,6 +157,7 @@ class TokenizerService:
         try:
             request = decode_generate_request(msg.data)
             params = request.sampling_params()
+            params.check_vocabulary(self.vocab_size)
             tokenize_start_ns = time.time_ns()
             prompt_ids = self.prompt_ids(request)
             tokenize_ns = (tokenize_start_ns, time.time_ns())

@@ -71,7 +71,7 @@ BAD = [
     (C, completion(frequency_penalty=-3), 400, "frequency_penalty"),
     (C, completion(repetition_penalty=0), 400, "repetition_penalty"), (C, completion(logprobs=21), 400, "logprobs"),
     (C, completion(bogus=1), 400, "bogus"), (C, completion(model="nope"), 404, "model"),
-    (C, completion(logit_bias={"1": 2.0}), 400, "logit_bias"), (C, completion(best_of=2), 400, "best_of"),
+    (C, completion(logit_bias={"999999": 2.0}), 400, "logit_bias"), (C, completion(best_of=2), 400, "best_of"),
     (C, completion(suffix="x"), 400, "suffix"), (C, completion(stream_options={"include_usage": True}), 400, None),
     (C, completion(stream="yes"), 400, "stream"), (C, completion(echo=1), 400, "echo"),
     (C, completion(user=5), 400, "user"),
@@ -166,6 +166,13 @@ def test_the_openai_sdk_sends_none_as_null_and_it_means_the_default(http):
     plain = http.post(C, json=body).json()["choices"][0]["text"]
     nulls = http.post(C, json={**body, "top_p": None, "n": None, "stream": None, "echo": None, "seed": None}).json()
     assert nulls["choices"][0]["text"] == plain
+
+
+def test_logit_bias_forces_a_token_over_http(http):
+    forced = http.post(C, json=completion(prompt=[1, 2, 3], max_tokens=3, temperature=0, logit_bias={"42": 100}))
+    assert forced.status_code == 200, forced.text
+    text = http.post(DETOK, json={"tokens": [42, 42, 42]}).json()["prompt"]
+    assert forced.json()["choices"][0]["text"] == text
 
 
 def test_echo_and_stop(http):

@@ -153,3 +153,21 @@ def test_echo_with_logprobs_is_refused_rather_than_answered_without_the_prompt()
     assert echoed.json()["choices"][0]["text"] == "hiok"
     with_logprobs, _ = post(C, {"prompt": "hi", "logprobs": 1})
     assert with_logprobs.status_code == 200 and json.dumps(with_logprobs.json()["choices"][0]["logprobs"])
+
+
+def test_logit_bias_reaches_the_engine_by_token_id():
+    response, client = post(C, {"prompt": "hi", "logit_bias": {"42": 100, "7": -2.5}})
+    assert response.status_code == 200, response.text
+    assert client.submitted[0].logit_bias == {42: 100.0, 7: -2.5}
+    _, chat_client = post(CH, {"messages": CHAT, "logit_bias": {"42": -100}})
+    assert chat_client.submitted[0].logit_bias == {42: -100.0}
+
+
+@pytest.mark.parametrize("bias,words", [({"abc": 1}, "'abc' is not a token id"), ({"-1": 1}, "'-1' is not a token id"),
+                                        ({str(0x3000): 1}, "is not a token id of the vocabulary [0, 12288)"),
+                                        ({"1": 101}, "less than or equal to 100"), ({"1": "x"}, "valid number")])
+def test_a_bad_logit_bias_is_a_400_naming_it(bias, words):
+    response, client = post(C, {"prompt": "hi", "logit_bias": bias})
+    error = error_of(response)
+    assert error["param"] == "logit_bias" and words in error["message"], error
+    assert client.submitted == []

@@ -77,6 +77,32 @@ def test_presence_and_frequency_penalties_count_generated_tokens_only():
     assert tokens == [0]
 
 
+def test_logit_bias_bans_and_forces_tokens_and_comes_before_the_penalties():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]] * 3)
+    states = [state(SamplingParams(temperature=0.0, logit_bias={0: -100.0})),  # banned: the next best wins
+              state(SamplingParams(temperature=0.0, logit_bias={3: 100.0})),  # forced
+              state(SamplingParams(temperature=0.0))]  # a row beside them is untouched
+    tokens, logprobs = sample(logits, states, torch.Generator())
+    assert tokens == [1, 3, 0]
+    forced = draw([3.0, 2.0, 1.0, 0.0], SamplingParams(temperature=1.0, logit_bias={3: 100.0}), n=50)
+    assert set(forced) == {3}
+    # bias first, as vLLM: 1.0 + 2.0 = 3.0 is then divided by the repetition penalty (token 2 was seen)
+    params = SamplingParams(temperature=0.0, logit_bias={2: 2.0}, repetition_penalty=2.0)
+    tokens, _ = sample(torch.tensor([[2.0, 1.0, 1.0]]), [state(params, tokens=(2,), num_prompt=1)], torch.Generator())
+    assert tokens == [0]  # 3.0 / 2 = 1.5 < 2.0
+    tokens, logprobs = sample(torch.tensor([[1.0, 2.0]]), [state(SamplingParams(temperature=0.0, logprobs=1,
+                                                                                logit_bias={0: 5.0}))],
+                              torch.Generator())
+    assert tokens == [0] and math.isclose(logprobs[0].logprob, math.log(1 / (1 + math.e)), rel_tol=1e-6), \
+        "logprobs stay those of the raw distribution"
+
+
+def test_a_logit_bias_past_the_vocabulary_is_refused_before_it_reaches_a_sampler():
+    SamplingParams(logit_bias={99: 1.0}).check_vocabulary(100)
+    with pytest.raises(ValueError, match=r"logit_bias token id 100 is outside the vocabulary \[0, 100\)"):
+        SamplingParams(logit_bias={100: 1.0}).check_vocabulary(100)
+
+
 def test_logprobs_are_of_the_raw_distribution_with_top_alternatives():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     _, logprobs = sample(logits, [state(SamplingParams(temperature=0.0, logprobs=2))], torch.Generator())
@@ -89,6 +115,8 @@ def test_logprobs_are_of_the_raw_distribution_with_top_alternatives():
     ("max_tokens", 0), ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -2), ("min_p", 1.5), ("seed", -1), ("stop", ("",)), ("stop_token_ids", (-1,)),
     ("logprobs", 21), ("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+    ("logit_bias", {1: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: float("inf")}),
+    ("logit_bias", {i: 1.0 for i in range(1025)}),
 ])
 def test_bad_values_raise_a_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
