@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import weakref
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -60,8 +61,14 @@ def on_reconnect(nc: Bus, callback: Callable[[], None]) -> None:
 
 async def connect(url: str, name: str) -> Client:
     """Connect to the server, or one of the servers, `url` names (see the module docstring)."""
+    said: dict[str, float] = {}
+
     async def on_error(exc: Exception) -> None:
-        log.warning("%s: NATS error: %s", name, exc)
+        # a server that is not there fails every reconnect attempt (twice a second): say it once a minute
+        now, text = time.monotonic(), str(exc)
+        if now - said.get(text, -60.0) >= 60.0:
+            said[text] = now
+            log.warning("%s: NATS error: %s", name, text)
 
     async def on_disconnect() -> None:
         if nc.is_closed:  # closed on purpose (nats.py calls this on close too): nothing is wrong
@@ -224,9 +231,13 @@ async def sent(nc: Client) -> None:
 async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[Callable[[], Awaitable[None]] | None]],
                       stop: asyncio.Event | None = None) -> None:
     """Connect, let `start` subscribe (it may return a coroutine function that stops its own
-    tasks), wait for a stop signal, then stop those tasks and drain."""
+    tasks), wait for a stop signal, then stop those tasks and drain. A stop signal while NATS does not
+    answer yet ends it at once (connecting waits for the server for ever)."""
     stop = stop or stop_event_on_signals()
-    nc = await connect(url, name)
+    nc = await _connect_unless_stopped(url, name, stop)
+    if nc is None:
+        log.info("%s: stopped before NATS at %s answered", name, redact_url(url))
+        return
     cleanup = None
     try:
         cleanup = await start(nc)
@@ -237,6 +248,17 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[C
         if cleanup is not None:
             await cleanup()
         await drain_quietly(nc)
+
+
+async def _connect_unless_stopped(url: str, name: str, stop: asyncio.Event) -> Client | None:
+    connecting, stopped = asyncio.ensure_future(connect(url, name)), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({connecting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    await asyncio.gather(connecting, return_exceptions=True)
+    return None
 
 
 async def drain_quietly(nc: Client) -> None:

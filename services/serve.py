@@ -156,10 +156,11 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs:
                            stopping: Callable[[], bool] = lambda: False) -> None:
     """Until every engine reports ready and a tokenizer answers a probe, or `stopping()` (a Ctrl-C
     while it starts); raises at once if an engine's `run` (a Ray call) ended, which it only does on
-    failure."""
-    from services.bus import connect
-
-    nc = await connect(nats_url, "orca-serve-probe")
+    failure, and ValueError once `timeout_s` has passed (NATS unreachable, engines not ready)."""
+    deadline = time.monotonic() + timeout_s
+    nc = await _connect_until(nats_url, deadline, timeout_s, stopping)
+    if nc is None:
+        return
     ready: set[str] = set()
     got_all = asyncio.Event()
 
@@ -171,11 +172,11 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs:
                 got_all.set()
 
     await nc.subscribe(subjects.ENGINE_STATUS, cb=on_status)
-    deadline = time.monotonic() + timeout_s
     try:
         while not got_all.is_set():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"engines not ready after {timeout_s:.0f} s ({len(ready)}/{replicas} ready)")
+                raise ValueError(f"engines not ready after {timeout_s:.0f} s ({len(ready)}/{replicas} ready; "
+                                 "--startup-timeout)")
             print(f"  waiting for engines: {len(ready)}/{replicas} ready", file=sys.stderr)
             for _ in range(10):
                 if stopping():
@@ -192,10 +193,36 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs:
                 return
             except Exception:  # noqa: BLE001 - the tokenizer is still starting
                 if time.monotonic() > deadline:
-                    raise TimeoutError("the tokenizer service did not answer") from None
+                    raise ValueError(f"the tokenizer service did not answer within {timeout_s:.0f} s "
+                                     "(--startup-timeout)") from None
                 await asyncio.sleep(0.5)
     finally:
         await nc.close()
+
+
+async def _connect_until(nats_url: str, deadline: float, timeout_s: float, stopping: Callable[[], bool]):
+    """The probe's NATS connection; None if `stopping()` first. A server that does not answer is waited
+    for (it may be starting beside this one) until the deadline, saying so once."""
+    from services.bus import connect, redact_url
+
+    started, said = time.monotonic(), False
+    connecting = asyncio.ensure_future(connect(nats_url, "orca-serve-probe"))
+    try:
+        while not connecting.done():
+            if stopping():
+                return None
+            if time.monotonic() > deadline:
+                raise ValueError(f"NATS at {redact_url(nats_url)} did not answer within {timeout_s:.0f} s "
+                                 "(--startup-timeout): is it running, and is the URL right?")
+            if not said and time.monotonic() - started > 2.0:
+                print(f"  waiting for NATS at {redact_url(nats_url)}", file=sys.stderr)
+                said = True
+            await asyncio.wait({connecting}, timeout=0.25)
+        return connecting.result()
+    finally:
+        if not connecting.done():
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
 
 
 def _raise_if_ended(runs: list) -> None:

@@ -76,3 +76,59 @@ def test_a_ctrl_c_while_it_starts_stops_it_without_serving_first(demo_model):
     while (left := [pid for pid in started if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, [cmdline(pid) for pid in left]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_nats_url_nobody_answers_at_is_one_line_after_the_startup_timeout_and_leaves_nothing(demo_model):
+    """It waited for ever (past --startup-timeout, deaf to Ctrl-C and SIGTERM), its services printing a
+    connection error four times a second each."""
+    url = f"nats://127.0.0.1:{free_port()}"
+    serve = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", demo_model, "--port", "0",
+                              "--nats-url", url, "--startup-timeout", "5"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    began = time.monotonic()
+    try:
+        out, _ = serve.communicate(timeout=120)
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+    assert serve.returncode == 2, out
+    assert f"orca: error: NATS at {url} did not answer within 5 s (--startup-timeout)" in out, out
+    assert "Traceback" not in out and out.count("NATS error") <= 4, out  # once per process, not per attempt
+    assert time.monotonic() - began < 60, out
+    assert not running_under(serve.pid), "left running"
+
+
+def running_under(pid: int) -> bool:
+    """Whether any process of `orca serve`'s session still runs (it was its own session leader)."""
+    return subprocess.run(["pgrep", "-s", str(pid)], capture_output=True).returncode == 0
+
+
+def test_a_service_stopped_while_nats_does_not_answer_stops_at_once():
+    import asyncio
+
+    from services.bus import run_service
+    from services.serve import _connect_until
+
+    async def go():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.3, stop.set)
+        began = time.monotonic()
+        await asyncio.wait_for(run_service("test", f"nats://127.0.0.1:{free_port()}", start=None, stop=stop), 10)
+        service_s = time.monotonic() - began
+        began = time.monotonic()
+        nc = await _connect_until(f"nats://127.0.0.1:{free_port()}", time.monotonic() + 30, 30,
+                                  stopping=lambda: time.monotonic() - began > 0.3)
+        return service_s, time.monotonic() - began, nc
+
+    service_s, probe_s, nc = asyncio.run(go())
+    assert service_s < 2 and probe_s < 2 and nc is None
