@@ -47,7 +47,8 @@ def main() -> None:
     print("choice:", choice.choices[0].message.content)
 
     call = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                          tools=[WEATHER], tool_choice="required", max_tokens=128)
+                                          tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
+                                          max_tokens=128)
     tool_call = call.choices[0].message.tool_calls[0]
     print("tool call:", tool_call.function.name, json.loads(tool_call.function.arguments),
           call.choices[0].finish_reason)
