@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections import Counter
 
@@ -19,8 +20,13 @@ class OpenRequests:
         self.count = 0
 
 
+CLIENT_CLOSED_REQUEST = 499
+"""nginx's code (and Ray Serve's access log's) for a request whose client left before any response."""
+
+
 class CountResponses:
-    """Responses by route template and status code, for /metrics, and the requests still open."""
+    """Responses by route template and status code, for /metrics, and the requests still open. A request
+    whose client went away before a response started counts as 499, not as a server error."""
 
     def __init__(self, app: ASGIApp, counts: Counter, open_requests: OpenRequests) -> None:
         self.app = app
@@ -31,7 +37,14 @@ class CountResponses:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = {"code": 500}
+        status: dict[str, int | None] = {"code": None}
+        gone = False
+
+        async def watching_receive() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -40,11 +53,15 @@ class CountResponses:
 
         self.open_requests.count += 1
         try:
-            await self.app(scope, receive, counting_send)
+            await self.app(scope, watching_receive, counting_send)
+        except asyncio.CancelledError:  # the server cancels a request whose client went away
+            gone = True
+            raise
         finally:
             self.open_requests.count -= 1
             route = scope.get("route")
-            self.counts[(getattr(route, "path", "other"), status["code"])] += 1
+            code = status["code"] if status["code"] is not None else CLIENT_CLOSED_REQUEST if gone else 500
+            self.counts[(getattr(route, "path", "other"), code)] += 1
 
 
 class RequireBearer:

@@ -106,3 +106,41 @@ def test_status_board_health_and_queue():
     assert board.max_model_len() == 512 and board.kv_capacity_tokens() == 1600
     board.admission_at -= 60  # stale: not believed
     assert not board.healthy and not board.queue_full
+
+
+def test_a_request_whose_client_left_before_any_response_counts_as_499_not_500():
+    import asyncio
+    from collections import Counter
+
+    from services.gateway.middleware import CountResponses, OpenRequests
+
+    async def left(scope, receive, send):  # waits for its answer; the client hangs up meanwhile
+        assert (await receive())["type"] == "http.disconnect"
+
+    async def cancelled(scope, receive, send):
+        raise asyncio.CancelledError
+
+    async def failed(scope, receive, send):
+        raise RuntimeError("a bug")
+
+    async def answered(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def run(app) -> Counter:
+        counts = Counter()
+        middleware = CountResponses(app, counts, OpenRequests())
+
+        async def receive():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            return None
+        try:
+            await middleware({"type": "http", "route": None}, receive, send)
+        except (asyncio.CancelledError, RuntimeError):
+            pass
+        return counts
+
+    codes = {app.__name__: set(code for _, code in asyncio.run(run(app))) for app in (left, cancelled, failed, answered)}
+    assert codes == {"left": {499}, "cancelled": {499}, "failed": {500}, "answered": {200}}

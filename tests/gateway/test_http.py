@@ -292,3 +292,6 @@ def test_clients_that_go_away_are_aborted_and_free_their_kv(gateway):
         assert status.kv_used_blocks == 0 and status.num_running == 0 and status.num_waiting == 0
     metrics = httpx.get(gateway.http_url + "/metrics").text
     assert "orca:admission_queue_len 0" in metrics and "orca:num_requests_running 0" in metrics
+    # the queued (not streamed) request's client left before any response: nginx's 499, not a server error
+    assert 'orca:http_requests_total{route="/v1/completions",code="499"}' in metrics, metrics
+    assert 'code="500"' not in metrics, metrics
