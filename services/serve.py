@@ -200,6 +200,22 @@ async def wait_until_ready(nats_url: str, replicas: int, timeout_s: float, runs:
         await nc.close()
 
 
+def check_ray_address_answers(address: str | None, timeout_s: float = 5.0) -> None:
+    """A `--ray-address host:port` that nothing listens on is one line at once: Ray's own connect waits for
+    its GCS there for minutes. ("auto" and ray:// addresses are left to Ray.)"""
+    import socket
+
+    if address is None or address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--ray-address {address}: not host:port, auto or ray://...")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ValueError(f"--ray-address {address}: no Ray cluster answers there ({exc.strerror or exc})") from None
+
+
 async def _connect_until(nats_url: str, deadline: float, timeout_s: float, stopping: Callable[[], bool]):
     """The probe's NATS connection; None if `stopping()` first. A server that does not answer is waited
     for (it may be starting beside this one) until the deadline, saying so once."""
@@ -277,8 +293,12 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         # minute without HTTP after the proxy dies. Every 2 s brings that under 10 s (a local Ray only).
         os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")
         cluster = RayCluster(owned=args.ray_address is None)
-        ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
-                 configure_logging=False)
+        check_ray_address_answers(args.ray_address)
+        try:
+            ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
+                     configure_logging=False)
+        except ConnectionError as exc:  # --ray-address names no running cluster: one line, not Ray's traceback
+            raise ValueError(f"--ray-address {args.ray_address}: {exc}") from None
         if args.log_level != "DEBUG":  # Serve's INFO lines name its unused proxy's port, not the gateway's
             import ray.serve  # noqa: F401 - its import sets its logger to INFO: quieten it after
 

@@ -107,3 +107,31 @@ def test_a_port_out_of_range_is_a_usage_error_not_a_traceback(port, words, capsy
 def test_port_zero_and_the_top_port_are_ports():
     for port in ("0", "65535"):
         assert build_parser().parse_args(["serve", "--model", "m", "--port", port]).port == int(port)
+
+
+def test_a_ray_address_nothing_answers_at_is_one_line_at_once(demo_model):
+    """Ray's own connect waited for a GCS there for minutes (and --ray-address auto with no Ray printed
+    Ray's traceback: the same one line now, services/serve.py)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once it is closed
+    began = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", demo_model,
+                          "--ray-address", f"127.0.0.1:{port}", "--port", "0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"orca: error: --ray-address 127.0.0.1:{port}: no Ray cluster answers there" in run.stderr, run.stderr
+    assert time.monotonic() - began < 30
+
+
+@pytest.mark.parametrize("address", [None, "auto", "ray://head:10001", "head"])
+def test_addresses_left_to_ray_are_not_checked_here(address):
+    serve.check_ray_address_answers(address)
+
+
+def test_a_ray_address_that_is_no_address_is_refused():
+    with pytest.raises(ValueError, match="not host:port, auto or ray://"):
+        serve.check_ray_address_answers("head:port")
