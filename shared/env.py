@@ -79,16 +79,28 @@ def apply_engine_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]
                      dests: Collection[str] | None = None) -> None:
     """Make the engine variables the defaults of `parser`'s flags; a required flag whose variable
     is set (ORCA_MODEL) is no longer required. Call after the flags are added. A bad value
-    exits as a usage error does, naming the variable. `dests`: only these flags' variables (a
-    parser whose own --seed means something else, as `orca bench`'s, takes no ORCA_SEED)."""
+    exits as a usage error does, naming the variable, when `parser` parses: a subcommand's parser
+    only when that subcommand is run, and after its --help had its turn. `dests`: only these flags'
+    variables (a parser whose own --seed means something else, as `orca bench`'s, takes no ORCA_SEED)."""
     try:
         defaults = engine_flag_defaults(environ, dests)
     except ValueError as exc:
-        parser.error(str(exc))
+        _fail_when_parsing(parser, str(exc))
+        return
     parser.set_defaults(**defaults)
     for action in parser._actions:  # argparse has no public way to relax `required`
         if action.dest in defaults:
             action.required = False
+
+
+def _fail_when_parsing(parser: argparse.ArgumentParser, message: str) -> None:
+    parse = parser.parse_known_args  # what argparse calls on a subcommand's parser, and parse_args on any
+
+    def parse_then_fail(*args: Any, **kwargs: Any):
+        parse(*args, **kwargs)  # --help exits in here, as it would with a good value
+        parser.error(message)
+
+    parser.parse_known_args = parse_then_fail  # type: ignore[method-assign]
 
 
 def prefer_passive_openmp() -> None:

@@ -79,9 +79,15 @@ def test_a_bad_value_names_the_variable(monkeypatch, capsys):
     with pytest.raises(ValueError, match="ORCA_ENABLE_PREFIX_CACHING"):
         env.engine_flag_defaults({"ORCA_ENABLE_PREFIX_CACHING": "maybe"})
     monkeypatch.setenv("ORCA_KV_CACHE_TOKENS", "lots")
-    with pytest.raises(SystemExit):
-        build_parser()
-    assert "ORCA_KV_CACHE_TOKENS='lots'" in capsys.readouterr().err
+    parser = build_parser()  # only the command that runs says so, after its --help had its turn
+    for command in (["serve", "--port", "0"], ["generate", "--model", "m", "--input", "-", "--output", "-"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(command)
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] == f"orca {command[0]}: error: ORCA_KV_CACHE_TOKENS='lots': Expected `int`, got `str`"
+    with pytest.raises(SystemExit) as helped:
+        build_parser().parse_args(["serve", "--help"])
+    assert helped.value.code == 0 and "--kv-cache-tokens" in capsys.readouterr().out
     monkeypatch.setenv("ORCA_KV_CACHE_TOKENS", "8")
     monkeypatch.setenv("ORCA_SCHEDULER", "lifo")  # right type, wrong value: the config's own check
     with pytest.raises(ValueError, match="lifo"):
