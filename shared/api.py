@@ -172,8 +172,8 @@ class AbortRequest(msgspec.Struct, frozen=True):
 
 
 class HeldReply(msgspec.Struct, frozen=True):
-    """The answer to {"id"} on `orca.v1.generate.held`, from the tokenizer that holds that request
-    (none answers for a request nobody holds)."""
+    """The answer to {"id"} on `orca.v1.generate.held`, from the tokenizer that holds that request, or
+    its events (for a while after its end, as `orca.v1.generate.replay` does); none answers otherwise."""
 
     id: str
     held: bool = True

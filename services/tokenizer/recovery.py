@@ -144,7 +144,9 @@ class Recovery:
             request_id = decode_abort(msg.data).id  # the same {"id"} body
         except ValueError:
             return
-        if msg.reply and request_id in self.service.active:
+        # an ended request too, while its events are kept for replays (as `.replay` answers for it): a
+        # client that missed its last event would otherwise take it for lost and send it again
+        if msg.reply and (request_id in self.service.active or request_id in self.service.ended):
             await self.service.nc.publish(msg.reply, encode_json(HeldReply(request_id)))
 
 

@@ -382,3 +382,18 @@ def test_a_placement_on_an_incarnation_already_replaced_or_never_heard_from_resu
     assert placements.placed(Placed("1", "j1", ["silent"]), now=0.1) == [] and placements.engine_of("silent") == "1/j1"
     assert [r for now in (1.0, 2.0, 3.0) for r in placements.tick(now).resume] == []
     assert placements.tick(3.5).resume == ["silent"], "1/j1 never spoke: what it was given resumes"
+
+
+def test_held_is_answered_for_a_request_that_just_ended_as_replay_is():
+    """A client that missed the last event asks; silence would make it send the finished request again."""
+    async def go():
+        service, nc = await tokenizer_with_request()
+        await service.on_outputs(outputs_message(0, 5, reason=FinishReason.LENGTH))
+        await settle()
+        for rid, reply in (("r1", "_INBOX.held"), ("nobody", "_INBOX.nobody")):
+            await service.recovery._on_held(msg(json.dumps({"id": rid}).encode(), reply))
+        await service.recovery.stop()
+        return nc.events("_INBOX.held"), nc.events("_INBOX.nobody")
+
+    held, nobody = asyncio.run(go())
+    assert held == [{"id": "r1", "held": True}] and nobody == []
