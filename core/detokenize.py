@@ -47,14 +47,16 @@ class IncrementalDetokenizer:
         return self._append(delta)
 
     def flush(self) -> str:
-        """At the end of a request: the text held back (a partial character, or the tail kept
-        while it could still turn out to start a stop string)."""
+        """At the end of a request: the text held back (the tokens after the last complete character,
+        and the tail kept while it could still turn out to start a stop string). The bytes of a
+        character that never completed are dropped, as vLLM drops them (decoded, they are U+FFFD)."""
+        out = ""
         if not self.stopped and self._read_offset < len(self._tokens):
             prefix = self._decode(self._tokens[self._prefix_offset:self._read_offset])
             full = self._decode(self._tokens[self._prefix_offset:])
             self._read_offset = len(self._tokens)
-            self._append(full[len(prefix):])
-        out = self.text[self._emitted:]
+            out = self._append(full[len(prefix):].rstrip("\ufffd"))
+        out += self.text[self._emitted:]
         self._emitted = len(self.text)
         return out
 
