@@ -33,6 +33,7 @@ from loadtest.datasets import DATASETS, load_dataset, load_trace, parse_range, w
 from loadtest.loadgen import RunResult, drive_stepped, drive_streaming
 from loadtest.report import (Capacity, capacity_at, capacity_ratio, format_report, orca_counterpart, parse_goodput,
                           summarize)
+from shared import env
 from shared.api import GenerateRequest
 from shared.config import EngineConfig, engine_fields
 from shared.flags import add_engine_args, engine_config_from_args, section_from_args
@@ -93,7 +94,9 @@ def add_bench_parsers(subparsers) -> None:
                        help="http (default): OpenAI /v1/completions; nats: orca.v1.generate; inprocess: LLMEngine")
     bench.add_argument("--base-url", default="http://127.0.0.1:8000", help="HTTP gateway URL")
     bench.add_argument("--nats-url", default="nats://127.0.0.1:4222")
-    bench.add_argument("--api-key", default=None, help="bearer token for the HTTP gateway")
+    bench.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or env.api_key(),
+                       help="bearer token for the HTTP gateway (default: $OPENAI_API_KEY, as vllm bench serve reads "
+                            "it, else $ORCA_API_KEY, the server's own)")
     bench.add_argument("--launch", action="store_true",
                        help="start `orca serve --scheduler POLICY` for each --policy on free ports, then stop it")
     bench.add_argument("--threads", type=int, default=None,

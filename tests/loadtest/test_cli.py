@@ -108,3 +108,18 @@ def test_simulate_takes_the_scheduler_and_cache_flags(monkeypatch, no_engine_var
     assert scheduler == SchedulerConfig(max_num_seqs=4, enable_chunked_prefill=True, async_scheduling=False)
     kv_fits = make_cost_model("gpt3-175b-a100-tp8pp2").default_kv_cache_tokens
     assert cache == CacheConfig(kv_cache_tokens=kv_fits, block_size=1)
+
+
+@pytest.mark.parametrize("environ,key", [({}, None), ({"ORCA_API_KEY": "orca"}, "orca"),
+                                         ({"OPENAI_API_KEY": "openai", "ORCA_API_KEY": "orca"}, "openai")])
+def test_bench_takes_the_api_key_from_the_environment_as_vllm_bench_serve_does(monkeypatch, environ, key):
+    import argparse
+
+    for name in ("OPENAI_API_KEY", "ORCA_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    add_bench_parsers(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["bench"]).api_key == key
+    assert parser.parse_args(["bench", "--api-key", "flag"]).api_key == "flag"
