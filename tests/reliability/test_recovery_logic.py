@@ -218,8 +218,9 @@ class FakeWorkers:
         return False
 
 
-async def running_master() -> tuple[EngineMaster, FakeBus, FakeWorkers, asyncio.Event, asyncio.Task]:
-    bus, workers = FakeBus(), FakeWorkers()
+async def running_master(workers: FakeWorkers | None = None
+                         ) -> tuple[EngineMaster, FakeBus, FakeWorkers, asyncio.Event, asyncio.Task]:
+    bus, workers = FakeBus(), workers or FakeWorkers()
     config = EngineConfig(model=ModelConfig(model="unused"), cache=CacheConfig(kv_cache_tokens=1024))
     master = EngineMaster(config, "0", bus, workers, max_model_len=256, eos_token_ids=(0,), step_timeout_s=5.0)
     bus.master = master
@@ -479,13 +480,7 @@ def test_an_admit_that_arrives_while_the_workers_restart_waits_for_them_and_runs
             await super().restart(hard)
 
     async def go():
-        bus, workers = FakeBus(), SlowRestart()
-        config = EngineConfig(model=ModelConfig(model="unused"), cache=CacheConfig(kv_cache_tokens=1024))
-        master = EngineMaster(config, "0", bus, workers, max_model_len=256, eos_token_ids=(0,), step_timeout_s=5.0)
-        bus.master = master
-        stop = asyncio.Event()
-        task = asyncio.create_task(master.run(stop))
-        await asyncio.sleep(0)
+        master, bus, workers, stop, task = await running_master(SlowRestart())
         workers.die_at = {3}
         await admit(master, request("before", max_tokens=6))
         await asyncio.wait_for(workers.restarting.wait(), 5)
