@@ -123,13 +123,19 @@ def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.empty_like(row).scatter_(0, order, sorted_logits)
 
 
+LOGPROB_FLOOR = -9999.0
+"""The lowest log-probability reported (vLLM's)."""
+
+
 def _logprobs(raw: torch.Tensor, tokens: list[int],
               states: list[SamplingState]) -> list[TokenLogprob | None]:
     wanted = [row for row, s in enumerate(states) if s.params.logprobs is not None]
     out: list[TokenLogprob | None] = [None] * len(states)
     if not wanted:
         return out
-    logp = torch.log_softmax(raw[wanted].double(), dim=-1)
+    # A token a constraint masks has log-probability -inf, which JSON cannot carry (it came out as null):
+    # it is LOGPROB_FLOOR instead, as vLLM's API gives it.
+    logp = torch.log_softmax(raw[wanted].double(), dim=-1).clamp_(min=LOGPROB_FLOOR)
     for i, row in enumerate(wanted):
         k = states[row].params.logprobs or 0
         top = torch.topk(logp[i], k) if k else None

@@ -139,7 +139,8 @@ class GrammarMatchers:
             if matcher.is_stopped():  # it ended before this token (EOS, by its mask): done, if not already
                 done.append(rid)
             elif not matcher.consume_token(token):
-                errors[rid] = f"the grammar refused token {token}: {matcher.get_error()}"
+                # llguidance appends its parser's state and the whole grammar: the first line says it
+                errors[rid] = f"the grammar refused token {token}: {matcher.get_error().split(chr(10))[0]}"
             elif matcher.is_stopped():
                 done.append(rid)
         return done, errors

@@ -114,7 +114,8 @@ class TopLogprob(msgspec.Struct, frozen=True):
 
     token_id: int
     logprob: float
-    """Natural log, of the model's raw distribution (before penalties and temperature, as vLLM's default)."""
+    """Natural log, of the model's raw distribution (before penalties and temperature, as vLLM's default)
+    but after a constraint's mask: a token it forbids has -9999.0, vLLM's floor."""
 
 
 class EventLogprob(msgspec.Struct, frozen=True):

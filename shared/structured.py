@@ -51,16 +51,20 @@ class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
 
     def validate(self) -> StructuredOutputs:
         """Normalized and checked; ValueError says what is wrong (never reaches an engine)."""
+        grammar = self.grammar_text()
         spec = self.normalized()
-        error = _grammar_error(spec.grammar_text())
+        error = _grammar_error(grammar)
         if error:
             raise ValueError(f"invalid structured_outputs.{spec.kind()}: {error}")
         return spec
 
     def grammar_text(self) -> str:
         """The llguidance grammar (ValueError when the input cannot even be read)."""
-        spec = self.normalized()
-        return _grammar_text(spec.kind(), spec.json, spec.regex, tuple(spec.choice or ()), spec.grammar)
+        try:
+            spec = self.normalized()
+            return _grammar_text(spec.kind(), spec.json, spec.regex, tuple(spec.choice or ()), spec.grammar)
+        except RecursionError:  # a schema nested deeper than Python's stack (JSON text parses to any depth)
+            raise ValueError(f"invalid structured_outputs.{self.kind()}: nested too deeply") from None
 
 
 class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -90,16 +94,67 @@ class ResponseFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def closed_objects(schema: Any) -> Any:
     """A copy of the schema in which an object that lists its properties and says nothing of others allows
-    no others (OpenAI's strict mode, xgrammar's default): else a model may invent keys without end."""
-    if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {key: closed_objects(value) if key not in ("enum", "const", "default", "examples") else value
-           for key, value in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+    no others (OpenAI's strict mode, xgrammar's default): else a model may invent keys without end.
+    An `allOf` is closed where its branches meet, on the object that holds it, which then allows the
+    properties of every branch; each branch stays open (closed, one would forbid the other's keys: the
+    usual `allOf: [{"$ref": "#/$defs/Base"}]` would be unsatisfiable)."""
+    return _closed(schema, schema, frozenset())
+
+
+_KEPT_AS_GIVEN = ("enum", "const", "default", "examples")
+
+
+def _closed(node: Any, root: Any, inlining: frozenset[str], open_here: bool = False) -> Any:
+    if isinstance(node, list):
+        return [_closed(item, root, inlining) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _KEPT_AS_GIVEN:
+            out[key] = value
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [_closed(*_inlined(branch, root, inlining), open_here=True) for branch in value]
+        else:
+            out[key] = _closed(value, root, inlining)
+    if open_here or "additionalProperties" in out or "unevaluatedProperties" in out:
+        return out
+    names = _property_names(out)
+    if "properties" in out or names:
+        own = out.get("properties") or {}
+        out["properties"] = {name: own.get(name, {}) for name in names}
         out["additionalProperties"] = False
     return out
+
+
+def _property_names(node: dict) -> list[str]:
+    """The properties an object's allOf branches list (their own allOf too), then its own, in order."""
+    names: dict[str, None] = {}
+    for branch in node.get("allOf") or ():
+        if isinstance(branch, dict):
+            names.update(dict.fromkeys(_property_names(branch)))
+    if isinstance(node.get("properties"), dict):
+        names.update(dict.fromkeys(node["properties"]))
+    return list(names)
+
+
+def _inlined(branch: Any, root: Any, inlining: frozenset[str]) -> tuple[Any, Any, frozenset[str]]:
+    """An allOf branch with its local `$ref` replaced by what it points to (the branch's own keys
+    beside it kept), so that the branch can stay open where the definition elsewhere is closed. A ref
+    already being inlined (a cycle) or not local stays a ref."""
+    ref = branch.get("$ref") if isinstance(branch, dict) else None
+    if not isinstance(ref, str) or not ref.startswith("#") or ref in inlining:
+        return branch, root, inlining
+    target: Any = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else ():
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or part not in target:
+            return branch, root, inlining  # llguidance reports the broken ref
+        target = target[part]
+    if not isinstance(target, dict):
+        return branch, root, inlining
+    rest = {key: value for key, value in branch.items() if key != "$ref"}
+    return {**target, **rest} if rest else target, root, inlining | {ref}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -126,7 +181,9 @@ def _grammar_text(kind: str, schema: str | dict | None, regex: str | None, choic
     if kind == "choice":
         if not choice or not all(choice):
             raise ValueError("invalid structured_outputs.choice: give one or more non-empty strings")
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choice))
+        # One lexeme, not one rule of many alternatives: the lexer matches it, where a rule holds a parser
+        # item per choice still possible, and llguidance allows 2,000 items at the most.
+        return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choice))
     try:
         return LLMatcher.grammar_from_lark(any_to_lark(grammar or ""))
     except Exception as exc:  # noqa: BLE001 - the GBNF converter raises its own error types

@@ -89,6 +89,9 @@ def check_tools(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> Non
         if tool.function.parameters is not None and tool.function.parameters.get("type", "object") != "object":
             raise ValueError(f"tools: function {tool.function.name!r}: parameters must be a JSON schema of an object")
     choice = effective_choice(tools, tool_choice)
+    if choice != "none":  # offered to the model: each schema must be one a constraint could enforce
+        for name in names:
+            _parameters(tools, name)
     if choice == "required" and not tools:
         raise ValueError("tool_choice 'required' needs tools")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
@@ -116,7 +119,11 @@ def tool_constraint(tools: list[Tool] | None, tool_choice: ToolChoice | None,
 def _parameters(tools: list[Tool], name: str) -> dict[str, Any]:
     """The named function's parameter schema, checked on its own so that an error names the function."""
     index, fn = next((i, t.function) for i, t in enumerate(tools) if t.function.name == name)
+    # OpenAI's parameters are an object's schema even when they leave `type` out; as given, such a
+    # schema would let the arguments be any JSON value.
     parameters = fn.parameters or NO_PARAMETERS
+    if "type" not in parameters:
+        parameters = {"type": "object", **parameters}
     try:
         StructuredOutputs(json=parameters).validate()
     except ValueError as exc:
@@ -171,8 +178,8 @@ def parse_tool_calls(text: str, tools: list[Tool] | None, tool_choice: ToolChoic
         return None, [_call(choice.function.name, text)]
     if choice == "required":
         try:
-            calls = [_call(c["name"], _arguments(c["parameters"])) for c in json.loads(text)]
-        except (json.JSONDecodeError, TypeError, KeyError):
+            calls = [_call(c.name, _arguments(c.parameters)) for c in _required_calls.decode(text)]
+        except (msgspec.DecodeError, msgspec.ValidationError):
             return text, []
         return (None, calls[:1] if not parallel else calls) if calls else (text, [])
     if choice == "auto":
@@ -180,20 +187,40 @@ def parse_tool_calls(text: str, tools: list[Tool] | None, tool_choice: ToolChoic
         calls = []
         for block in _HERMES_CALL.findall(text):
             try:
-                call = json.loads(block)
-                if call["name"] in names:
-                    calls.append(_call(call["name"], _arguments(call.get("arguments", {}))))
-            except (json.JSONDecodeError, TypeError, KeyError):
+                call = _hermes_call.decode(block)
+                if call.name in names:
+                    calls.append(_call(call.name, _arguments(call.arguments)))
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
         if calls:
-            content = text[:text.find(HERMES_OPEN)].strip()
+            # What came before the first call, as it streamed (vLLM's Hermes parser keeps it whole too).
+            content = text[:text.find(HERMES_OPEN)]
             return content or None, calls[:1] if not parallel else calls
     return text, []
 
 
-def _arguments(value: Any) -> str:
-    """A call's arguments as JSON text (a model may already have written them as a string)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+class _RequiredCall(msgspec.Struct):
+    """One element of the array a `required` choice constrains the output to."""
+
+    name: str
+    parameters: msgspec.Raw
+
+
+class _HermesCall(msgspec.Struct):
+    name: str
+    arguments: msgspec.Raw = msgspec.Raw(b"{}")
+
+
+_required_calls = msgspec.json.Decoder(list[_RequiredCall])
+_hermes_call = msgspec.json.Decoder(_HermesCall)
+
+
+def _arguments(raw: msgspec.Raw) -> str:
+    """A call's arguments as the model wrote them: the JSON text itself, never parsed and written again
+    (a float would lose digits, and 1e999 come back as Infinity, which is not JSON). A model may have
+    written them as a JSON string of the text instead."""
+    text = bytes(raw).decode()
+    return msgspec.json.decode(text, type=str) if text.startswith('"') else text
 
 
 def _call(name: str, arguments: str) -> ToolCall:

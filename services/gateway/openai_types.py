@@ -126,7 +126,8 @@ class SamplingFields(Strict):
     stop_token_ids: list[TokenId] | None = None
     """vLLM extra."""
     ignore_eos: bool = False
-    """vLLM extra: generate max_tokens tokens whatever the model says."""
+    """vLLM extra: generate max_tokens tokens whatever the model says (an output constraint that is complete
+    still ends the request: no token could follow)."""
     seed: Annotated[int, Field(ge=-2**63, lt=2**63)] | None = None
     """Any 64-bit signed integer, as vLLM takes it. With n > 1, choice i uses seed + i."""
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0

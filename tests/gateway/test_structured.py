@@ -96,6 +96,10 @@ def test_openapi_documents_the_fields():
 
 # ---- 400s that never reach the engine ----------------------------------------------------------
 
+# As JSON text (json.dumps refuses to write it): 400 objects deep, which once took the gateway past Python's
+# stack (a 500). Deeper still, the body parser refuses it.
+DEEP = '{"type":"object","properties":{"a":' * 400 + '{"type":"integer"}' + '},"required":["a"]}' * 400
+
 BAD = [
     ("/v1/chat/completions", chat(response_format={"type": "json_schema", "json_schema": {
         "name": "r", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}),
@@ -122,6 +126,10 @@ BAD = [
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "strin"}}}}}], tool_choice="required"), "tools",
      "tools[0].function.parameters"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "strin"}}}}}]), "tools", "tools[0].function.parameters"),
+    ("/v1/chat/completions", json.dumps(chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "r", "schema": "DEEP"}})).replace('"DEEP"', DEEP), "response_format", "recursion limit"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "name": "r", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format", "Unsatisfiable"),
@@ -132,7 +140,8 @@ BAD = [
 @pytest.mark.parametrize("path,body,param,words", BAD, ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
 def test_bad_constraints_are_400s_that_never_reach_the_engine(path, body, param, words):
     http, client, tokenizer = fake_gateway(answer("x"))
-    response = http.post(path, json=body)
+    response = (http.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, str)
+                else http.post(path, json=body))
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param, error
@@ -230,10 +239,34 @@ def test_required_calls_are_read_from_the_array():
     assert cut == {**cut, "finish_reason": "length", "message": {"role": "assistant", "content": '[{"name":"get_wea'}}
 
 
+def test_arguments_are_the_json_text_the_model_wrote():
+    """Never parsed and written again: a float keeps its digits, and 1e999 (JSON, though no double holds
+    it) does not become Infinity (not JSON)."""
+    arguments = '{"city":"Oslo","days":1e999,"lat":0.12345678901234567890}'
+    required = whole(answer(f'[{{"name":"get_weather","parameters":{arguments}}}]'), tools=TOOLS,
+                     tool_choice="required")
+    assert required["message"]["tool_calls"][0]["function"]["arguments"] == arguments
+    auto = whole(answer(f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'), tools=TOOLS)
+    assert auto["message"]["tool_calls"][0]["function"]["arguments"] == arguments
+    as_string = whole(answer('<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": 1}"}</tool_call>'), tools=TOOLS)
+    assert as_string["message"]["tool_calls"][0]["function"]["arguments"] == '{"tz": 1}'
+    bare = whole(answer('<tool_call>{"name": "get_time"}</tool_call>'), tools=TOOLS)
+    assert bare["message"]["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
+def test_parameters_without_a_type_are_an_objects_schema():
+    untyped = [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": {"type": "integer"}}}}}]
+    http, client, _ = fake_gateway(answer('{"a":1}'))
+    http.post("/v1/chat/completions", json=chat(tools=untyped, tool_choice={"type": "function", "function": {"name": "f"}}))
+    schema = json.loads(client.submitted[0].structured_outputs.json)
+    assert schema["type"] == "object" and schema["properties"] == {"a": {"type": "integer"}}
+
+
 def test_auto_reads_hermes_calls_and_keeps_plain_replies_as_content():
     output = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     choice = whole(answer(output), tools=TOOLS)
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look."
+    # the text before the call as it is, as it streams (test_auto_streams_content_until_a_call_opens)
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Let me look.\n"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     plain = whole(answer("It is sunny."), tools=TOOLS)
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "It is sunny."}

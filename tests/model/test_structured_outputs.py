@@ -144,13 +144,21 @@ def test_the_same_schema_is_compiled_once(demo_model):
     assert set(grammars.matchers) <= set(engine.runner.requests), "a matcher outlived its request's state"
 
 
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 def test_a_bad_grammar_is_refused_before_it_reaches_the_engine(demo_model):
     engine = make_engine(demo_model)
     for bad, says in [(StructuredOutputs(regex="a(b"), "unclosed group"),
                       (StructuredOutputs(json={"type": "objekt"}), "objekt"),
                       (StructuredOutputs(grammar="start: foo"), "foo"),
                       (StructuredOutputs(json='{"type": '), "not JSON"),
-                      (StructuredOutputs(regex="a", choice=["b"]), "exactly one")]:
+                      (StructuredOutputs(regex="a", choice=["b"]), "exactly one"),
+                      (StructuredOutputs(json=_nested(700)), "nested too deeply")]:
         with pytest.raises(ValueError, match=says):
             engine.add_request("bad", PROMPTS[0], SamplingParams(structured_outputs=bad))
     assert not engine.scheduler.requests
@@ -160,8 +168,41 @@ def test_logprobs_of_a_constrained_request_are_those_of_the_masked_distribution(
     params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3,
                             structured_outputs=StructuredOutputs(choice=["ab", "cd"]))
     done = run(make_engine(demo_model), {"a": (PROMPTS[0], params)})
+    masked = 0
     for lp in done["a"].logprobs:
-        assert lp.logprob > -1e9 and all(value > -1e9 or value == float("-inf") for _, value in lp.top)
+        assert lp.logprob > -1e9
+        assert all(value >= -9999.0 for _, value in lp.top), "a masked token is vLLM's floor, never -inf (null in JSON)"
+        masked += sum(value == -9999.0 for _, value in lp.top)
+    assert masked, "a position with fewer allowed tokens than asked for shows masked ones"
+
+
+def test_a_choice_among_thousands_of_strings_is_one_of_them(demo_model):
+    """More choices than llguidance's 2,000 parser items a row: they are one lexeme, which has no such bound.
+    Some are prefixes of others, so the grammar may end or go on."""
+    choices = [f"option {i}" for i in range(2500)] + ["no", "nope", "nonsense"]
+    spec = StructuredOutputs(choice=choices).validate()
+    requests = {f"r{i}": (PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=30, temperature=1.0, seed=i,
+                                                                    structured_outputs=spec)) for i in range(4)}
+    requests["greedy"] = (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, structured_outputs=spec))
+    for rid, completion in run(make_engine(demo_model), requests).items():
+        assert completion.finish_reason is FinishReason.STOP and completion.text in choices, (rid, completion.text)
+
+
+def test_an_object_that_inherits_through_allof_takes_the_properties_of_both(demo_model):
+    """pydantic's and OpenAPI's inheritance: closed objects are closed where allOf's branches meet."""
+    schema = {"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
+                                                                         "maximum": 99}}, "required": ["id"]}},
+              "allOf": [{"$ref": "#/$defs/Base"}], "type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 6}, "base": {"$ref": "#/$defs/Base"}},
+              "required": ["name", "base"]}
+    spec = StructuredOutputs(json=schema).validate()
+    requests = {f"r{i}": (PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=80, temperature=1.0, seed=i,
+                                                                    structured_outputs=spec)) for i in range(4)}
+    for rid, completion in run(make_engine(demo_model), requests).items():
+        assert completion.finish_reason is FinishReason.STOP, (rid, completion.text)
+        value = json.loads(completion.text)
+        jsonschema.validate(value, schema)
+        assert set(value) <= {"id", "name", "base"} and set(value["base"]) == {"id"}, "no invented keys"
 
 
 def test_the_bitmask_allows_exactly_its_set_bits():
@@ -206,3 +247,17 @@ def test_a_request_resumed_with_its_grammar_complete_may_only_end(demo_model):
     grammars.mask(logits, ["r"])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(eos)
     assert grammars.advance(["r"], [eos[0]]) == (["r"], {})
+
+
+def test_a_choice_that_spells_a_special_token_ends_with_a_one_line_error(demo_model):
+    """llguidance allows the special token `<|im_end|>` where the choice's text spells it, then refuses
+    it (its forced bytes are tokenized with special tokens). The request ends with an error that says so
+    in one line, not llguidance's parser state and grammar."""
+    params = SamplingParams(max_tokens=20, temperature=0.0,
+                            structured_outputs=StructuredOutputs(choice=["ab<|im_end|>x"]).validate())
+    done = run(make_engine(demo_model), {"a": (PROMPTS[0], params), "b": (PROMPTS[1], SamplingParams(max_tokens=3))})
+    assert done["b"].finish_reason is FinishReason.LENGTH, "the requests beside it go on"
+    if done["a"].finish_reason is FinishReason.ERROR:
+        assert "the grammar refused token" in done["a"].error and "\n" not in done["a"].error
+    else:  # a later llguidance that keeps the text as text
+        assert done["a"].text == "ab<|im_end|>x"

@@ -116,7 +116,7 @@ def test_the_final_event_carries_the_tool_calls():
     assert "".join(e["text"] for e in events) == REQUIRED_OUTPUT, "the text is the output as written"
     [call] = events[-1]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}, "as the model wrote them"
     assert all("tool_calls" not in e for e in events[:-1])
 
     named = {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
@@ -191,7 +191,7 @@ def test_orca_generate_records_tool_calls_and_names_bad_constraints():
     records = {r["id"]: r for r in map(json.loads, out.getvalue().splitlines())}
     assert counts == {"requests": 4, "errors": 2}
     assert records["req"]["text"] == REQUIRED_OUTPUT
-    assert records["req"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert records["req"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city":"Oslo"}'}
     assert "line 2" in records["bad"]["error"] and "invalid structured_outputs.regex" in records["bad"]["error"]
     assert "line 4" in records["unknown"]["error"] and "'fly'" in records["unknown"]["error"]
     assert records["plain"]["text"] == "yes" and "tool_calls" not in records["plain"]
