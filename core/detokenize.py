@@ -46,6 +46,20 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         return self._append(delta)
 
+    def add_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """Add tokens one at a time until one completes a stop string: (the new final text, how many
+        tokens were taken). The tokens after that one are not the request's: an engine that hands over
+        several at once (a lane of the static policy) generated them past the stop."""
+        if not self._stop or len(token_ids) <= 1:
+            return ("", 0) if self.stopped else (self.add(token_ids), len(token_ids))
+        text, taken = "", 0
+        for token in token_ids:
+            if self.stopped:
+                break
+            text += self.add((token,))
+            taken += 1
+        return text, taken
+
     def flush(self) -> str:
         """At the end of a request: the text held back (the tokens after the last complete character,
         and the tail kept while it could still turn out to start a stop string). The bytes of a

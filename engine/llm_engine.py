@@ -177,21 +177,26 @@ class LLMEngine:
 
     def _apply(self, event: RequestOutput, now: float) -> Delta:
         completion = self.completions[event.request_id]
-        completion.token_ids.extend(event.new_token_ids)
-        if event.new_token_ids and completion.first_token_time is None:
+        reason = event.finish_reason
+        detok = self._detokenizers.get(event.request_id)
+        new_tokens = event.new_token_ids
+        new_text = ""
+        if detok is not None and detok.watches_stop_strings:
+            new_text, taken = detok.add_until_stop(new_tokens)
+            new_tokens = new_tokens[:taken]
+            if detok.stopped and reason in (None, FinishReason.LENGTH):  # the text ends at the stop string
+                if reason is None:
+                    self.scheduler.finish(event.request_id, FinishReason.STOP)
+                reason = FinishReason.STOP
+        completion.token_ids.extend(new_tokens)
+        if new_tokens and completion.first_token_time is None:
             completion.first_token_time = now
         if completion.logprobs is not None and event.logprobs:
-            completion.logprobs.extend(event.logprobs)
-        reason = event.finish_reason
-        new_text = ""
-        detok = self._detokenizers.get(event.request_id)
-        if detok is not None and (self.stream_text or detok.watches_stop_strings or reason is not None):
-            # Unstreamed, a request without stop strings is decoded once, from all its tokens.
-            streamed = self.stream_text or detok.watches_stop_strings
-            new_text = detok.add(event.new_token_ids if streamed else completion.token_ids)
-            if detok.stopped and reason is None:
-                reason = FinishReason.STOP
-                self.scheduler.finish(event.request_id, reason)
+            completion.logprobs.extend(event.logprobs[:len(new_tokens)])
+        if detok is not None and (detok.watches_stop_strings or self.stream_text or reason is not None):
+            if not detok.watches_stop_strings:
+                # Unstreamed, a request without stop strings is decoded once, from all its tokens.
+                new_text = detok.add(new_tokens if self.stream_text else completion.token_ids)
             if reason is not None:
                 new_text += detok.flush()
             completion.text = detok.text if reason is not None else completion.text + new_text
@@ -200,4 +205,4 @@ class LLMEngine:
             completion.finished_time = now
             self.completions.pop(event.request_id)
             self._detokenizers.pop(event.request_id, None)
-        return Delta(completion, event.new_token_ids, new_text)
+        return Delta(completion, new_tokens, new_text)

@@ -76,7 +76,7 @@ class Taken:
     reason: FinishReason | None = None
     error: str | None = None
     stop_string: bool = False
-    """A stop string matched: the engine does not know yet that the request ended."""
+    """A stop string matched before the engine ended the request: it does not know yet (a Cancel tells it)."""
 
 
 def by_request(arrived: list[IterationOutputs]) -> dict[str, list[RequestOutput]]:
@@ -255,16 +255,18 @@ class TokenizerService:
         taken = Taken()
         for output in outputs:
             start = time.perf_counter()
-            taken.text += state.detokenizer.add(output.new_token_ids)
-            self.telemetry.on_output(state.trace, len(output.new_token_ids), time.perf_counter() - start)
-            state.num_generated += len(output.new_token_ids)
-            taken.token_ids += output.new_token_ids
-            taken.logprobs += output.logprobs or ()
+            text, n = state.detokenizer.add_until_stop(output.new_token_ids)
+            taken.text += text
+            self.telemetry.on_output(state.trace, n, time.perf_counter() - start)
+            state.num_generated += n
+            taken.token_ids += output.new_token_ids[:n]
+            taken.logprobs += (output.logprobs or ())[:n]
+            # A stop string that completes on the last token max_tokens allows still ends the text: stop.
+            if state.detokenizer.stopped and output.finish_reason in (None, FinishReason.LENGTH):
+                taken.reason, taken.stop_string = FinishReason.STOP, output.finish_reason is None
+                break
             if output.finish_reason is not None:
                 taken.reason, taken.error = output.finish_reason, output.error
-                break
-            if state.detokenizer.stopped:
-                taken.reason, taken.stop_string = FinishReason.STOP, True
                 break
         return taken
 

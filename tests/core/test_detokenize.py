@@ -40,7 +40,7 @@ def test_stop_string_spanning_chunks_is_never_partly_emitted():
 
 # U+FFFD itself left out: at the very end it cannot be told from the bytes of a character that never
 # completed, which are dropped (as vLLM drops them)
-TEXT = st.text(alphabet=st.characters(blacklist_characters="\ufffd"), max_size=40)
+TEXT = st.text(alphabet=st.characters(codec="utf-8", blacklist_characters="\ufffd"), max_size=40)
 
 
 @given(TEXT, st.text(min_size=1, max_size=4), st.integers(1, 5))
@@ -71,3 +71,26 @@ def test_the_pieces_streamed_always_join_to_the_text(data, stop, chunk):
     pieces.append(detok.flush())
     assert "".join(pieces) == detok.text
     assert not detok.text.endswith("\ufffd") or detok.stopped
+
+
+@given(TEXT, st.text(st.characters(codec="utf-8"), min_size=1, max_size=4), st.integers(1, 8))
+def test_tokens_given_together_are_taken_up_to_the_one_that_completes_the_stop(text, stop, chunk):
+    data = list(text.encode())
+    one_by_one = IncrementalDetokenizer(byte_decode, [stop])
+    for i, b in enumerate(data):
+        one_by_one.add([b])
+        if one_by_one.stopped:
+            data_needed = i + 1
+            break
+    else:
+        data_needed = len(data)
+    together = IncrementalDetokenizer(byte_decode, [stop])
+    pieces, taken = [], 0
+    for i in range(0, len(data), chunk):
+        piece, n = together.add_until_stop(data[i:i + chunk])
+        pieces.append(piece)
+        taken += n
+        assert n == len(data[i:i + chunk]) or together.stopped, "only a stop leaves tokens untaken"
+    pieces.append(together.flush())
+    assert taken == data_needed and together.token_ids == data[:data_needed]
+    assert "".join(pieces) == together.text == one_by_one.text

@@ -161,3 +161,33 @@ def test_outputs_of_several_requests_in_one_message_each_get_their_event():
     assert [e["token_ids"] for e in nc.events()] == [[10]]
     other = [json.loads(d) for d in nc.on("other")]
     assert [(e["token_ids"], e["finish_reason"]) for e in other] == [([20], "length")]
+
+
+def test_a_stop_string_inside_an_output_of_several_tokens_ends_at_the_token_that_completed_it():
+    """The static policy hands a lane's tokens over in one output when its batch ends (with LENGTH): the
+    tokens after the stop string were generated past it, and are not the request's."""
+    async def go():
+        service, nc = await started({"stop": ["<12>"]})
+        await service.on_outputs(iteration(RequestOutput("r1", (10, 11, 12, 13, 14), None, FinishReason.LENGTH)))
+        await settle()
+        await service.stop_writer()
+        return nc
+    nc = asyncio.run(go())
+    [event] = nc.events()
+    assert event["token_ids"] == [10, 11, 12] and event["text"] == "<10><11>"
+    assert event["finish_reason"] == "stop" and event["usage"]["completion_tokens"] == 3
+    assert nc.on(subjects.CANCEL) == [], "the engine had ended it already"
+
+
+def test_a_stop_string_completed_by_the_last_token_max_tokens_allows_is_a_stop():
+    async def go():
+        service, nc = await started({"stop": ["<11>"], "max_tokens": 2})
+        await service.on_outputs(iteration(token(10)))
+        await service.on_outputs(iteration(token(11, FinishReason.LENGTH)))
+        await settle()
+        await service.stop_writer()
+        return nc
+    nc = asyncio.run(go())
+    events = nc.events()
+    assert "".join(e["text"] for e in events) == "<10>"
+    assert events[-1]["finish_reason"] == "stop", "the text was cut by the stop string, as OpenAI and vLLM say"

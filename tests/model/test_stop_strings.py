@@ -1,0 +1,71 @@
+"""Stop strings in the engine (`orca generate`'s path), with the random-weight demo model: the output ends
+at the token that completes the stop string, with finish_reason stop, under every scheduling policy, the
+static one included (it hands a lane's tokens over only when its whole batch ends), and also when that
+token is the last one max_tokens allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.detokenize import IncrementalDetokenizer
+from engine.llm_engine import LLMEngine
+from engine.tokenizer import load_tokenizer
+from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from shared.outputs import FinishReason
+from shared.sampling import SamplingParams
+from tests.model.test_structured_outputs import run as run_to_the_end
+
+PROMPTS = {"a": [5, 9, 14, 3, 22], "b": [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]}
+"""Two requests, so that the static policy runs them as one batch whose lanes end together."""
+
+
+def run(model: str, policy: str, params: dict[str, SamplingParams]) -> dict:
+    engine = LLMEngine(EngineConfig(model=ModelConfig(model=model),
+                                    scheduler=SchedulerConfig(policy=policy, max_num_seqs=4),
+                                    cache=CacheConfig(kv_cache_tokens=4096, block_size=16)))
+    return run_to_the_end(engine, {rid: (prompt, params[rid]) for rid, prompt in PROMPTS.items()})
+
+
+def a_stop_string(model: str) -> tuple[str, list[int], str]:
+    """A stop string that request a's greedy output completes at its 6th token or later: (the string, the
+    tokens up to and including the one that completes it, the text before it)."""
+    free = run(model, "orca", {rid: SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for rid in PROMPTS})
+    tokens, text = free["a"].token_ids, free["a"].text
+    for cut in range(len(text) - 2, 4, -1):
+        stop = text[cut:cut + 2]
+        if stop.strip() and text.find(stop) == cut:
+            break
+    else:
+        pytest.skip("no two-character stop string occurs once in this output")
+    detokenizer = IncrementalDetokenizer(load_tokenizer(model).decode, (stop,))
+    for n, token in enumerate(tokens, 1):
+        detokenizer.add((token,))
+        if detokenizer.stopped:
+            return stop, tokens[:n], text[:cut]
+    raise AssertionError("the stop string never completed")
+
+
+@pytest.fixture(scope="module")
+def stop_case(demo_model):
+    return a_stop_string(demo_model)
+
+
+@pytest.mark.parametrize("policy", ["orca", "paged", "request-level", "static"])
+def test_the_output_ends_at_the_token_that_completes_the_stop_string(demo_model, stop_case, policy):
+    stop, tokens, before = stop_case
+    params = {"a": SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,)),
+              "b": SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)}
+    done = run(demo_model, policy, params)
+    assert done["a"].finish_reason is FinishReason.STOP
+    assert done["a"].text == before
+    assert done["a"].token_ids == tokens, "no token generated past the stop is the request's"
+    assert done["b"].finish_reason is FinishReason.LENGTH and len(done["b"].token_ids) == 30
+
+
+@pytest.mark.parametrize("policy", ["orca", "static"])
+def test_a_stop_string_completed_by_the_last_token_max_tokens_allows_is_a_stop(demo_model, stop_case, policy):
+    stop, tokens, before = stop_case
+    params = {rid: SamplingParams(max_tokens=len(tokens), temperature=0.0, ignore_eos=True, stop=(stop,))
+              for rid in PROMPTS}
+    done = run(demo_model, policy, params)
+    assert (done["a"].finish_reason, done["a"].text, done["a"].token_ids) == (FinishReason.STOP, before, tokens)
