@@ -143,6 +143,12 @@ ALLOWED = [
     ("engine", subjects.ENGINE_PROGRESS, "admission"),
     ("engine", subjects.detok("t1"), "tokenizer"),
     ("tokenizer", subjects.METRICS, "gateway"),
+    # A stream's events, on a connection that never received its request (the tokenizer reconnected,
+    # or NATS failed over): every inbox prefix a producer or a service may use.
+    ("tokenizer", "_INBOX.abc", "client"),
+    ("tokenizer", "_INBOX_client.abc", "client"),
+    ("tokenizer", "_INBOX_gateway.abc", "gateway"),
+    ("tokenizer", "_INBOX_jobs.abc", "jobs"),
     ("admission", subjects.METRICS, "gateway"),
     ("engine", subjects.METRICS, "gateway"),
     ("jobs", subjects.METRICS, "gateway"),
@@ -168,6 +174,8 @@ DENIED = [
     ("engine", subjects.ADMISSION_SUBMIT, "admission"),
     ("admission", subjects.engine_step("0"), "engine"),
     ("client", subjects.METRICS, "gateway"),
+    ("tokenizer", "_INBOX_admission.abc", "admission"),  # no service's own inbox but those that send it requests
+    ("tokenizer", "_INBOX_engine.abc", "engine"),
 ]
 
 
@@ -213,14 +221,15 @@ def test_wrong_or_missing_password_is_refused(server):
     asyncio.run(run(server.url_for("engine", PASSWORDS["engine"])))
 
 
-@pytest.mark.parametrize("responder, subject, asker, events, queue", [
-    # The tokenizer answers a request's reply subject many times (one event per iteration).
-    ("tokenizer", subjects.GENERATE, "client", 20, subjects.TOKENIZER_QUEUE),
+@pytest.mark.parametrize("responder, subject, asker, events, queue, unsolicited", [
+    # The tokenizer answers a request's reply subject many times (one event per iteration), and also
+    # after a reconnect, when the server no longer knows which request named it: so on any inbox.
+    ("tokenizer", subjects.GENERATE, "client", 20, subjects.TOKENIZER_QUEUE, True),
     # An engine master answers a tokenizer's replay question once, on the question's reply subject.
-    ("engine", subjects.engine_replay("0"), "tokenizer", 1, ""),
+    ("engine", subjects.engine_replay("0"), "tokenizer", 1, "", False),
 ])
-def test_answers_go_to_reply_subjects_only(server, monkeypatch, responder, subject, asker, events, queue):
-    """A service may answer on the reply subject a request gave it, but not publish to an inbox nobody gave it."""
+def test_answers_go_to_reply_subjects(server, monkeypatch, responder, subject, asker, events, queue, unsolicited):
+    """A service may answer on the reply subject a request gave it; only the tokenizer on an inbox nobody gave it."""
     async def run() -> tuple[int, bool, bool]:
         answering = await User.connect(server, responder, monkeypatch)
         asking = await User.connect(server, asker, monkeypatch)
@@ -232,7 +241,7 @@ def test_answers_go_to_reply_subjects_only(server, monkeypatch, responder, subje
             await asking.nc.close()
             await answering.nc.close()
     count, denied_while_answering, unsolicited_denied = asyncio.run(run())
-    assert count == events and not denied_while_answering and unsolicited_denied
+    assert count == events and not denied_while_answering and unsolicited_denied is not unsolicited
 
 
 async def streamed(responder: User, subject: str, asker: User, events: int, queue: str = "") -> tuple[int, bool]:
