@@ -150,6 +150,10 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """On the final event of a request with tools, when the model called any: parsed from the whole
     output (the events' `text`, joined, is that output as the model wrote it)."""
     seq: int = 0
+    retry: bool = False
+    """On an error event: the request was not served for a reason that passes (no tokenizer or engine
+    for a while, the admission queue full, the instance shutting down): send it again later. A job goes
+    back to JetStream instead of getting this as its result."""
 
 
 class ReplayRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

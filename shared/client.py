@@ -32,8 +32,9 @@ RETRY_S = 0.5
 NO_TOKENIZER_RETRY_S = 30.0
 
 
-def _error(request_id: str, message: str) -> dict:
-    return {"id": request_id, "token_ids": [], "text": "", "finish_reason": "error", "error": message}
+def _error(request_id: str, message: str, retry: bool = False) -> dict:
+    event = {"id": request_id, "token_ids": [], "text": "", "finish_reason": "error", "error": message}
+    return {**event, "retry": True} if retry else event
 
 
 async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: Callable[[dict], None] | None = None,
@@ -93,7 +94,7 @@ async def generate(nc: Client, body: dict, timeout_s: float = 600.0, on_event: C
             if msg.headers and msg.headers.get("Status") == "503":  # no tokenizer listens (yet)
                 refused_since = refused_since or time.monotonic()
                 if time.monotonic() - refused_since > NO_TOKENIZER_RETRY_S:
-                    events.append(_error(request_id, "no tokenizer service listened (NATS: no responders)"))
+                    events.append(_error(request_id, "no tokenizer service listened (NATS: no responders)", retry=True))
                     return events
                 stats["retries"] = stats.get("retries", 0) + 1
                 await asyncio.sleep(RETRY_S)

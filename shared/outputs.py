@@ -40,6 +40,8 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    retry: bool = False
+    """With an error: one that passes (no engine for a while, the queue full), so the request may be sent again."""
 
     @property
     def finished(self) -> bool:

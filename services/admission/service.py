@@ -98,7 +98,8 @@ class AdmissionService:
         starved = self.queue.starved(now)
         for request in starved:
             await self._end(request, FinishReason.ERROR,
-                            f"no engine has been available for {self.queue.no_engine_timeout_s:.0f} s; retry later")
+                            f"no engine has been available for {self.queue.no_engine_timeout_s:.0f} s; retry later",
+                            retry=True)
         if starved:
             await self.publish_status()
 
@@ -119,7 +120,7 @@ class AdmissionService:
             self.queue.submit(request)
         except (ValueError, QueueFull) as exc:
             self.telemetry.on_rejected(exc)
-            await self._end(request, FinishReason.ERROR, str(exc))
+            await self._end(request, FinishReason.ERROR, str(exc), retry=isinstance(exc, QueueFull))
             return
         await self._admit()
 
@@ -168,7 +169,8 @@ class AdmissionService:
             self._last_status = status
             await self.nc.publish(subjects.ADMISSION_STATUS, Codec.encode(status))
 
-    async def _end(self, request: TokenizedRequest, reason: FinishReason, error: str | None = None) -> None:
+    async def _end(self, request: TokenizedRequest, reason: FinishReason, error: str | None = None,
+                   retry: bool = False) -> None:
         self.telemetry.on_ended(request, reason, error)
-        outputs = IterationOutputs([RequestOutput(request.request_id, finish_reason=reason, error=error)])
+        outputs = IterationOutputs([RequestOutput(request.request_id, finish_reason=reason, error=error, retry=retry)])
         await self.nc.publish(subjects.detok(request.tokenizer_instance), Codec.encode(outputs))

@@ -116,7 +116,8 @@ class Recovery:
             state = self.service.active.pop(request_id, None)
             if state is not None:
                 await self.service._end_with_error(request_id, state,
-                                                   NO_ADMISSION.format(self.placements.no_admission_timeout_s))
+                                                   NO_ADMISSION.format(self.placements.no_admission_timeout_s),
+                                                   retry=True)
 
     async def _resume(self, request_ids: list[str]) -> None:
         """Resubmit requests their engine lost, with the tokens their clients already have."""

@@ -75,6 +75,7 @@ class Taken:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     reason: FinishReason | None = None
     error: str | None = None
+    retry: bool = False
     stop_string: bool = False
     """A stop string matched before the engine ended the request: it does not know yet (a Cancel tells it)."""
 
@@ -151,7 +152,7 @@ class TokenizerService:
             log.warning("generate request without a reply subject dropped")
             return
         if self.draining:
-            await self._refuse(msg, SHUTTING_DOWN)
+            await self._refuse(msg, SHUTTING_DOWN, retry=True)
             return
         arrival_ns = time.time_ns()
         try:
@@ -244,10 +245,13 @@ class TokenizerService:
                                 taken.error)
         text = taken.text + state.detokenizer.flush()
         tool_calls = state.tool_calls() if taken.reason != FinishReason.ERROR else None
+        failed = taken.reason == FinishReason.ERROR
         await self._publish_event(state, GenerateEvent(
             request_id, taken.token_ids, text, taken.reason.label,
             error=taken.error, usage=Usage(len(state.prompt_token_ids), state.num_generated),
-            prompt_token_ids=state.prompt_token_ids, logprobs=logprobs, tool_calls=tool_calls))
+            # not on an error: the prompt may be what was wrong (millions of ids, past NATS's max_payload)
+            prompt_token_ids=None if failed else state.prompt_token_ids, logprobs=logprobs, tool_calls=tool_calls,
+            retry=taken.retry))
 
     def _take(self, state: ActiveRequest, outputs: list[RequestOutput]) -> Taken:
         """Detokenize `outputs` in order, each as if it had come alone (same text, same metrics), up
@@ -266,14 +270,15 @@ class TokenizerService:
                 taken.reason, taken.stop_string = FinishReason.STOP, output.finish_reason is None
                 break
             if output.finish_reason is not None:
-                taken.reason, taken.error = output.finish_reason, output.error
+                taken.reason, taken.error, taken.retry = output.finish_reason, output.error, output.retry
                 break
         return taken
 
-    async def _refuse(self, msg: Msg, error: str) -> None:
+    async def _refuse(self, msg: Msg, error: str, retry: bool = False) -> None:
         """A request refused at the door: its one event, numbered as the client expects next."""
         request_id, seq = _stream_of(msg.data)
-        await self.nc.publish(msg.reply, encode_json(GenerateEvent(request_id, [], "", "error", error=error, seq=seq)))
+        await self.nc.publish(msg.reply, encode_json(GenerateEvent(request_id, [], "", "error", error=error, seq=seq,
+                                                                   retry=retry)))
 
     async def _publish_event(self, state: ActiveRequest, event: GenerateEvent) -> None:
         """The next event of a request's stream: numbered, kept for replays, sent."""
@@ -346,7 +351,7 @@ class TokenizerService:
         log.error("engine %s no longer has the outputs of %d requests sent while NATS was away", source, len(lost))
         for request_id in lost:
             state = self.active.pop(request_id)
-            await self._end_with_error(request_id, state, OUTPUTS_LOST)
+            await self._end_with_error(request_id, state, OUTPUTS_LOST, retry=True)
 
     # ---- failures: admission away, NATS restarted, shutting down -------------------------------
 
@@ -387,7 +392,7 @@ class TokenizerService:
             await asyncio.sleep(0.05)
         for request_id, state in list(self.active.items()):
             del self.active[request_id]
-            await self._end_with_error(request_id, state, SHUTTING_DOWN)
+            await self._end_with_error(request_id, state, SHUTTING_DOWN, retry=True)
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.stop_writer()
         await self.nc.flush(timeout=5)
@@ -398,7 +403,7 @@ class TokenizerService:
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
 
-    async def _end_with_error(self, request_id: str, state: ActiveRequest, error: str) -> None:
+    async def _end_with_error(self, request_id: str, state: ActiveRequest, error: str, retry: bool = False) -> None:
         """The final event of a request this instance gives up on (the caller removed it from
         `active`); the abort frees whatever admission or an engine still holds of it."""
         self.telemetry.on_final(state.trace, FinishReason.ERROR, len(state.prompt_token_ids), state.num_generated,
@@ -407,7 +412,7 @@ class TokenizerService:
         await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id)))
         await self._publish_event(state, GenerateEvent(
             request_id, [], state.detokenizer.flush(), "error", error=error,
-            usage=Usage(len(state.prompt_token_ids), state.num_generated), prompt_token_ids=state.prompt_token_ids))
+            usage=Usage(len(state.prompt_token_ids), state.num_generated), retry=retry))
 
 
 def _stream_of(data: bytes) -> tuple[str | None, int]:

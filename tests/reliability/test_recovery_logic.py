@@ -517,3 +517,22 @@ def test_admission_cut_off_from_nats_keeps_routing_to_its_engines_and_gives_each
     during, after, silent = asyncio.run(go())
     assert during == ["0"] and after == ["0"], "its own outage is not the engine's death"
     assert silent == [], "an engine still silent a full expiry after the reconnect is gone"
+
+
+def test_admission_marks_the_errors_that_pass_as_worth_a_retry():
+    """A full queue and a long wait for any engine pass: the tokenizer's final event says retry (a job then
+    goes back to JetStream instead of keeping the error as its result). A request no engine can serve does not."""
+    async def go():
+        bus = RecordingNats()
+        admission = AdmissionService(bus, max_queue_len=1, no_engine_timeout_s=5.0)
+        for rid in ("queued", "full"):
+            await admission.on_submit(SimpleNamespace(data=Codec.encode(request(rid))))
+        now = time.monotonic()
+        await admission.check_engines(now)  # the wait for any engine starts
+        await admission.check_engines(now + 6.0)
+        outputs = [o for data in bus.on(subjects.detok("tok")) for o in Codec(IterationOutputs).decode(data).outputs]
+        return {o.request_id: (o.finish_reason, o.retry, o.error) for o in outputs}
+
+    ended = asyncio.run(go())
+    assert ended["full"][:2] == (FinishReason.ERROR, True) and "full" in ended["full"][2]
+    assert ended["queued"][:2] == (FinishReason.ERROR, True) and "no engine" in ended["queued"][2]

@@ -151,6 +151,8 @@ def test_a_request_that_lost_its_engine_once_too_often_ends_with_a_clear_error()
 
     events, active, aborts = asyncio.run(go())
     assert events[-1]["finish_reason"] == "error" and events[-1]["error"] == GAVE_UP.format(MAX_RESUMES + 1)
+    assert "retry" not in events[-1], "a request that took its engine down twice may do it again: not to be retried"
+    assert "prompt_token_ids" not in events[-1], "an error event carries no prompt (it may be what was wrong)"
     assert "r1" not in active and aborts, "ended here, and aborted wherever a copy may still run"
 
 
@@ -258,3 +260,4 @@ def test_a_drain_cut_short_ends_what_is_in_flight_at_once_with_the_shutting_down
     still_waiting, events, active = asyncio.run(go())
     assert still_waiting, "without the cut, the drain waits for the request in flight"
     assert events[-1]["finish_reason"] == "error" and "shutting down" in events[-1]["error"] and not active
+    assert events[-1]["retry"] is True, "served elsewhere or later, it would succeed: a job goes back to JetStream"
