@@ -64,6 +64,9 @@ OUTPUTS_LOST = "the engine no longer had this request's outputs sent while the m
 RECENT_SUBMISSIONS = 10_000
 """Submissions remembered for a 'no responders' answer (it comes within a round trip, if at all)."""
 SHUTTING_DOWN = "this orca-serve instance is shutting down; retry later"
+LARGE_PROMPT_CHARS = 65_536
+"""A prompt this long is tokenized off the event loop: a 7 MB one took seconds there, and every stream
+this instance serves waited (1.4 s between two events of another stream with a 1 MB prompt beside it)."""
 
 
 @dataclass
@@ -160,12 +163,18 @@ class TokenizerService:
             params = request.sampling_params()
             params.check_vocabulary(self.vocab_size)
             tokenize_start_ns = time.time_ns()
-            prompt_ids = self.prompt_ids(request)
+            if _prompt_chars(request) > LARGE_PROMPT_CHARS:
+                prompt_ids = await asyncio.to_thread(self.prompt_ids, request)
+            else:
+                prompt_ids = self.prompt_ids(request)
             tokenize_ns = (tokenize_start_ns, time.time_ns())
-            if request.id in self.active and request.resume_token_ids is not None:
-                reattach(self.active[request.id], msg.reply)  # its client took this instance for gone
+            held = self.active.get(request.id)
+            # A resend of the same request: its client took this instance for gone. Not another request
+            # under the same id: that would take the stream over (ids are the users' own).
+            if held is not None and request.resume_token_ids is not None and held.prompt_token_ids == prompt_ids:
+                reattach(held, msg.reply)
                 return
-            if request.id in self.active:
+            if held is not None:
                 raise ValueError(f"request id {request.id!r} is already in use")
             resumed = resume_ids(request, self.vocab_size)
         except ValueError as exc:
@@ -184,6 +193,7 @@ class TokenizerService:
         await self._submit(tokenized)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids (in a worker thread for a long prompt: the tokenizer drops the GIL)."""
         if request.prompt_token_ids is not None:
             bad = next((t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
@@ -413,6 +423,13 @@ class TokenizerService:
         await self._publish_event(state, GenerateEvent(
             request_id, [], state.detokenizer.flush(), "error", error=error,
             usage=Usage(len(state.prompt_token_ids), state.num_generated), retry=retry))
+
+
+def _prompt_chars(request: GenerateRequest) -> int:
+    """About how much text the request has to tokenize."""
+    if request.prompt is not None:
+        return len(request.prompt)
+    return sum(len(m.content) for m in request.messages or () if isinstance(m.content, str))
 
 
 def _stream_of(data: bytes) -> tuple[str | None, int]:

@@ -215,6 +215,23 @@ def test_a_stream_resent_by_its_client_continues_after_what_it_has_and_a_resend_
     assert new_reply[-1]["usage"]["completion_tokens"] == 3
 
 
+def test_another_request_under_a_held_id_cannot_take_its_stream_over():
+    """Ids are the users' own: a different request that reuses one, resume fields and all, is refused,
+    and the stream stays with the client that holds it."""
+    async def go():
+        service, nc = await tokenizer_with_request()
+        await service.on_generate(msg(json.dumps({"id": "r1", "prompt_token_ids": [9], "max_tokens": 2,
+                                                  "resume_token_ids": []}).encode(), "client.inbox.other"))
+        await streamed(service, 7, reason=FinishReason.LENGTH)
+        await service.recovery.stop()
+        return submissions(nc), nc.events(), nc.events("client.inbox.other")
+
+    sent, holder, other = asyncio.run(go())
+    assert len(sent) == 1
+    assert [e["token_ids"] for e in holder] == [[7]] and holder[-1]["finish_reason"] == "length"
+    assert len(other) == 1 and other[0]["finish_reason"] == "error" and "already in use" in other[0]["error"]
+
+
 def test_the_gateway_resends_a_silent_stream_nobody_holds_and_leaves_a_held_one_alone(monkeypatch):
     monkeypatch.setattr("services.gateway.resume.PROBE_TIMEOUT_S", 0.05)
 

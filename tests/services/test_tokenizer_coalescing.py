@@ -191,3 +191,29 @@ def test_a_stop_string_completed_by_the_last_token_max_tokens_allows_is_a_stop()
     events = nc.events()
     assert "".join(e["text"] for e in events) == "<10>"
     assert events[-1]["finish_reason"] == "stop", "the text was cut by the stop string, as OpenAI and vLLM say"
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop():
+    """Every stream this instance serves waits while its loop tokenizes (seconds, for megabytes of text)."""
+    import threading
+
+    class Encoding(FakeTokenizer):
+        def __init__(self) -> None:
+            self.threads: list[bool] = []
+
+        def encode(self, text: str) -> list[int]:
+            self.threads.append(threading.current_thread() is threading.main_thread())
+            return [1, 2]
+
+    async def go():
+        tokenizer = Encoding()
+        service = TokenizerService(FakeNats(), tokenizer, vocab_size=100)
+        await service.start()
+        for rid, prompt in (("short", "hello"), ("long", "x" * 100_000)):
+            body = json.dumps({"id": rid, "prompt": prompt, "max_tokens": 2}).encode()
+            await service.on_generate(SimpleNamespace(data=body, reply=f"inbox.{rid}", headers=None))
+        await service.stop_writer()
+        return tokenizer.threads, sorted(service.active)
+
+    on_main_thread, active = asyncio.run(go())
+    assert on_main_thread == [True, False] and active == ["long", "short"]
