@@ -12,6 +12,13 @@ through a NATS restart, a failover between cluster nodes or the death of its tok
 `seq` order, replayed after a gap, a silence or a reconnect; resent when nobody holds it). One that
 takes no event for IDLE_EVENT_TIMEOUT_S is nak'ed and generated again, under a new request id.
 
+A job whose generation ends with an error that passes (its final event has `retry`: no tokenizer or no
+engine for a while, the admission queue full, a tokenizer shutting down) gets no result: it is nak'ed
+with a delay (`retry_delay_s`: 2 s doubling per delivery, jittered, at most MAX_RETRY_DELAY_S) and
+JetStream hands it out again then, for as long as it takes: the consumer sets no max_deliver. Where an
+operator gave the durable consumer one, the last delivery it allows stores the error as the result,
+so that the job does not end with none. Any other error is the job's result, as a success is.
+
 On a NATS cluster both streams keep `replicas` copies (ORCA_JETSTREAM_REPLICAS: 3 on a cluster of
 three or more servers, so that they outlive any one server; 1, the default, on a single server).
 A stream found with fewer is scaled up when JetStream can (enough servers up).
@@ -22,17 +29,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 
 import msgspec
+from msgspec import UNSET, UnsetType
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
 from shared import subjects
-from shared.api import AbortRequest, decode_generate_request, encode_json
+from shared.api import AbortRequest, EventLogprob, decode_generate_request, encode_json
 from shared.client import generate
+from shared.tools import ToolCall
 
 log = logging.getLogger("orca.jobs")
 DUPLICATE_WINDOW_S = 600.0
@@ -42,20 +52,42 @@ IDLE_EVENT_TIMEOUT_S = 300.0
 """A generation that takes no event this long (a queued job waits silently too) is given up and retried."""
 JOB_TIMEOUT_S = 24 * 3600.0
 RETRY_DELAY_S = 2.0
+"""A job not finished for a fault here (NATS away, a generation gone silent) is handed out again after this."""
+MAX_RETRY_DELAY_S = 30.0
+"""The longest a job whose error passes (`retry`) waits to be handed out again."""
+MAX_DEFERRED_LOGGED = 10_000
+"""Jobs remembered as already logged while deferred (each is logged once, at its first deferral)."""
 MAX_REPLICAS = 5
 """JetStream's own limit on a stream's replicas."""
 
 
-class JobResult(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Same shape as an `orca generate` output line."""
+class JobResult(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """Same shape as an `orca generate` output line (engine/batch_job.py): a generation's result has the
+    fields of `completion_record`, in its order (`tool_calls`, `logprobs` and `error` only when there are
+    any); a job refused before generating (malformed, or an id that cannot name a subject) has those of
+    `error_record`: id, finish_reason and error."""
 
     id: str
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET
+    text: str | UnsetType = UNSET
     finish_reason: str
-    prompt_token_ids: list[int] = []
-    token_ids: list[int] = []
-    text: str = ""
+    tool_calls: list[ToolCall] | None = None
+    """The final event's: a request with tools whose model called any."""
+    logprobs: list[EventLogprob] | None = None
+    """One per token of `token_ids`, when the job asked for logprobs."""
     error: str | None = None
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float | None] | UnsetType = UNSET
+    """`queue_s`, `ttft_s` and `latency_s`, in seconds from the job's submission to `orca.v1.generate`
+    (by this service) to its first token and to its final event; None where unknown: `queue_s` always
+    (no event tells when an engine first scheduled the request), `ttft_s` when no token came."""
+
+
+def retry_delay_s(num_delivered: int) -> float:
+    """How long a job whose error passes waits before JetStream hands it out again: 2 s after its first
+    delivery, doubling, jittered (jobs deferred together come back spread out), at most MAX_RETRY_DELAY_S."""
+    base = RETRY_DELAY_S * 2.0 ** min(max(num_delivered, 1) - 1, 16)
+    return min(base * random.uniform(0.75, 1.25), MAX_RETRY_DELAY_S)
 
 
 def stream_configs(replicas: int = 1) -> list[StreamConfig]:
@@ -110,6 +142,10 @@ class JobsService:
         self.ack_wait_s = ack_wait_s
         self.concurrency = asyncio.Semaphore(concurrency)
         self.in_flight: set[str] = set()
+        self.max_deliver: int | None = None
+        """The durable consumer's (None or <= 0: no limit, the default here)."""
+        self._deferred: set[str] = set()
+        """Jobs this instance deferred (error with `retry`) and logged so: a job is logged once."""
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -123,6 +159,7 @@ class JobsService:
     async def _apply_ack_wait(self) -> None:
         """The durable consumer outlives its services: one made with another ack wait gets this one."""
         info = await self.js.consumer_info(subjects.JOBS_STREAM, subjects.JOBS_CONSUMER)
+        self.max_deliver = info.config.max_deliver  # an operator's, kept below: replace() changes ack_wait only
         if info.config.ack_wait is not None and abs(info.config.ack_wait - self.ack_wait_s) < 1e-3:
             return
         log.info("jobs consumer: ack wait %s -> %s s", info.config.ack_wait, self.ack_wait_s)
@@ -185,7 +222,15 @@ class JobsService:
                 if await self.result_exists(job_id):
                     await msg.ack()
                     return
-                result = await self._generate(job_id, msg)
+                result, retry = await self._generate(job_id, msg)
+                if retry and not self._last_delivery(msg):
+                    await self._defer(job_id, msg, result)
+                    return
+                if retry:
+                    result = msgspec.structs.replace(result, error=(
+                        f"{result.error} (gave up: delivery {msg.metadata.num_delivered} of the jobs consumer's "
+                        f"max_deliver {self.max_deliver})"))
+                self._deferred.discard(job_id)
                 # The header makes a retried publish (its ack lost) store nothing twice.
                 await self.js.publish(subjects.jobs_result(job_id), encode_json(result),
                                       headers={"Nats-Msg-Id": f"result-{job_id}"})
@@ -197,6 +242,25 @@ class JobsService:
                 heartbeat.cancel()
                 self.in_flight.discard(job_id)
 
+    def _last_delivery(self, msg) -> bool:
+        """Whether JetStream will not hand this job out again (the consumer's max_deliver, where set)."""
+        return self.max_deliver is not None and 0 < self.max_deliver <= msg.metadata.num_delivered
+
+    async def _defer(self, job_id: str, msg, result: JobResult) -> None:
+        """A job whose error passes: no result, nak'ed with a delay, so JetStream hands it out again later
+        (the same job id: a stored result would have made it final). Logged once per job."""
+        delay = retry_delay_s(msg.metadata.num_delivered)
+        if job_id not in self._deferred:
+            if len(self._deferred) >= MAX_DEFERRED_LOGGED:
+                self._deferred.clear()
+            self._deferred.add(job_id)
+            log.warning("job %s deferred: %s; JetStream hands it out again in %.1f s (and so on, up to %.0f s "
+                        "apart, until it runs)", job_id, result.error, delay, MAX_RETRY_DELAY_S)
+        else:
+            log.debug("job %s deferred again (delivery %d): %s; next in %.1f s", job_id,
+                      msg.metadata.num_delivered, result.error, delay)
+        await msg.nak(delay=delay)
+
     async def _refuse_id(self, job_id: str, msg) -> None:
         """A job id that cannot name a subject has no result subject to be stored under: its error goes
         under the job's stream sequence instead, and it is acked (redelivered, it would fail forever)."""
@@ -205,7 +269,7 @@ class JobsService:
                  "Nats-Msg-Id (or body id) without spaces, wildcards or empty dot-separated parts")
         log.warning("job stored as %s: %s", stored_as, error)
         try:
-            result = encode_json(JobResult(stored_as, "error", error=error))
+            result = encode_json(JobResult(id=stored_as, finish_reason="error", error=error))
             await self.js.publish(subjects.jobs_result(stored_as), result, headers={"Nats-Msg-Id": f"result-{stored_as}"})
             await msg.ack()
         except Exception as exc:  # noqa: BLE001 - not acked: JetStream redelivers it
@@ -229,7 +293,8 @@ class JobsService:
         except NotFoundError:
             return False
 
-    async def _generate(self, job_id: str, msg) -> JobResult:
+    async def _generate(self, job_id: str, msg) -> tuple[JobResult, bool]:
+        """The job's result, and whether its error passes (the final event's `retry`): then it is not final."""
         try:
             body = msgspec.json.decode(msg.data)
             if not isinstance(body, dict):
@@ -237,20 +302,39 @@ class JobsService:
             # One request id per delivery: an abort of an interrupted attempt must not reach the next.
             body["id"] = f"{job_id}~{msg.metadata.num_delivered}"
         except (msgspec.DecodeError, ValueError) as exc:
-            return JobResult(job_id, "error", error=f"malformed job: {exc}")
+            return JobResult(id=job_id, finish_reason="error", error=f"malformed job: {exc}"), False
         start = time.monotonic()
+        first_token_at: list[float] = []
+
+        def on_event(event: dict) -> None:
+            if not first_token_at and event.get("token_ids"):
+                first_token_at.append(time.monotonic())
+
         try:
-            events = await generate(self.nc, body, timeout_s=JOB_TIMEOUT_S, idle_timeout_s=IDLE_EVENT_TIMEOUT_S)
+            events = await generate(self.nc, body, timeout_s=JOB_TIMEOUT_S, idle_timeout_s=IDLE_EVENT_TIMEOUT_S,
+                                    on_event=on_event)
         except TimeoutError:
             await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(body["id"])))
             raise
-        return job_result(job_id, events, time.monotonic() - start)
+        end = time.monotonic()
+        metrics = {"queue_s": None, "ttft_s": round(first_token_at[0] - start, 6) if first_token_at else None,
+                   "latency_s": round(end - start, 6)}
+        final = events[-1]
+        retry = final.get("finish_reason") == "error" and bool(final.get("retry"))
+        return job_result(job_id, events, metrics, logprobs=body.get("logprobs") is not None), retry
 
 
-def job_result(job_id: str, events: list[dict], latency_s: float) -> JobResult:
-    """A generation's events, in order, the final one last, as the job's result."""
+def job_result(job_id: str, events: list[dict], metrics: dict[str, float | None], logprobs: bool = False) -> JobResult:
+    """A generation's events, in order, the final one last, as the job's result: an `orca generate`
+    record. `logprobs`: the job asked for them (the result then has a list, even if no token came)."""
     final = events[-1]
     tokens = [t for e in events for t in e.get("token_ids") or []]
     text = "".join(e.get("text") or "" for e in events)
-    return JobResult(job_id, final["finish_reason"], final.get("prompt_token_ids") or [], tokens, text,
-                     final.get("error"), {"latency_s": round(latency_s, 6)})
+    token_logprobs = [lp for e in events for lp in e.get("logprobs") or []]
+    tool_calls = final.get("tool_calls") or None
+    return JobResult(
+        id=job_id, prompt_token_ids=final.get("prompt_token_ids") or [], token_ids=tokens, text=text,
+        finish_reason=final["finish_reason"],
+        tool_calls=msgspec.convert(tool_calls, list[ToolCall]) if tool_calls else None,
+        logprobs=msgspec.convert(token_logprobs, list[EventLogprob]) if logprobs or token_logprobs else None,
+        error=final.get("error"), metrics=metrics)

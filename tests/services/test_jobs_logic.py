@@ -44,12 +44,14 @@ class Delivery:
         self.headers = {"Nats-Msg-Id": msg_id} if msg_id else None
         self.metadata = SimpleNamespace(num_delivered=delivered, sequence=SimpleNamespace(stream=stream_seq))
         self.answers: list[str] = []
+        self.nak_delays: list[float | None] = []
 
     async def ack(self) -> None:
         self.answers.append("ack")
 
-    async def nak(self, delay: float = 0) -> None:
+    async def nak(self, delay: float | None = None) -> None:
         self.answers.append("nak")
+        self.nak_delays.append(delay)
 
     async def in_progress(self) -> None:
         self.answers.append("in_progress")
@@ -60,10 +62,14 @@ def generations(monkeypatch) -> list[str]:
     """The request ids the service generated for; each generation takes a moment."""
     started: list[str] = []
 
-    async def fake_generate(nc, body, timeout_s, idle_timeout_s):
+    async def fake_generate(nc, body, timeout_s, idle_timeout_s, on_event=None):
         started.append(body["id"])
         await asyncio.sleep(0.02)
-        return [{"token_ids": [5, 6], "text": "ab", "finish_reason": "length", "prompt_token_ids": [1]}]
+        events = [{"token_ids": [5, 6], "text": "ab", "finish_reason": "length", "prompt_token_ids": [1]}]
+        for event in events:
+            if on_event is not None:
+                on_event(event)
+        return events
 
     monkeypatch.setattr(jobs, "generate", fake_generate)
     return started
