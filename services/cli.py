@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -43,30 +47,72 @@ def cmd_make_demo_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.batch_job import run_batch
+    where = "stdout" if args.output == "-" else args.output
+    state: dict = {}
+    try:
+        return _generate(args, state)
+    except KeyboardInterrupt:  # Ctrl-C: one line, no traceback
+        job = state.get("job")
+        if job is not None and job.started:
+            print(f"orca: interrupted: {job.written} of {job.total} records written to {where} "
+                  "(input order, up to the first unfinished line)", file=sys.stderr)
+        else:
+            left = "" if args.output == "-" else f", {where} left as it was"
+            print(f"orca: interrupted before the run started: nothing written{left}", file=sys.stderr)
+        return 130
+
+
+def _generate(args: argparse.Namespace, state: dict) -> int:
+    """`orca generate`; `state["job"]`: the BatchJob once the model is loaded."""
+    from engine.batch_job import BatchJob
     from engine.llm_engine import LLMEngine
 
     config = engine_config_from_args(args)
     check_chat_template(config)
-    source = sys.stdin if args.input == "-" else _open(args.input, "r", "--input")
-    sink = sys.stdout if args.output == "-" else _open(args.output, "w", "--output")  # before the model loads
-    engine = LLMEngine(config, stream_text=False)
-    try:
-        with source, sink:
-            counts = run_batch(engine, source, sink, progress=not args.no_progress)
-    finally:
-        engine.close()  # worker processes under -tp/-pp
+    with contextlib.ExitStack() as files:
+        source = sys.stdin if args.input == "-" else files.enter_context(_open(args.input, "r", "--input"))
+        if args.output != "-":
+            _check_output(args.output)  # before the model loads; opened, and truncated, once the input is in
+
+        def open_output():
+            return sys.stdout if args.output == "-" else files.enter_context(_open(args.output, "w", "--output"))
+
+        engine = LLMEngine(config, stream_text=False)
+        try:
+            state["job"] = job = BatchJob(engine, open_output, progress=not args.no_progress)
+            counts = job.run(source)
+        finally:
+            engine.close()  # worker processes under -tp/-pp
     print(f"{counts['requests']} requests, {counts['errors']} errors -> {args.output}", file=sys.stderr)
     return 0
 
 
 def _open(path: str, mode: str, flag: str):
-    """A file of `orca generate`'s, opened before the model loads: a path it cannot use is one line now,
-    not a traceback after the load (or, for the output, after the whole batch has run)."""
+    """A file of `orca generate`'s: a path it cannot use is one line, not a traceback."""
     try:
         return open(path, mode, encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+
+def _check_output(path: str) -> None:
+    """That --output can be written, checked before the model loads without creating or truncating it:
+    a run that stops at start-up leaves an existing output as it was."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--output {path}: {os.strerror(errno.ENOENT)}") from None
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"--output {path}: {os.strerror(errno.EACCES)}") from None
+        return
+    except OSError as exc:
+        raise ValueError(f"--output {path}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"--output {path}: {os.strerror(errno.EISDIR)}")
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"--output {path}: {os.strerror(errno.EACCES)}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
