@@ -13,6 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -189,6 +190,9 @@ def _worker_main(rank: int, tp: int, pp: int, init_method: str, args: RunnerArgs
 
     from model.distributed import destroy_distributed, init_distributed
 
+    # A Ctrl-C reaches the whole process group: the engine process stops its workers itself
+    # (each printed a KeyboardInterrupt traceback otherwise).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         groups = init_distributed(ParallelRank.of(rank, tp, pp), init_method, args.device)
