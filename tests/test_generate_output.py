@@ -133,7 +133,10 @@ def test_ctrl_c_mid_batch_keeps_the_finished_prefix_and_says_so_in_one_line(demo
     output.write_text("earlier results\n")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "generate", "--model", demo_model,
                              "--max-num-seqs", "2", "--input", str(source), "--output", str(output)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as from a terminal: `make test` runs the unit tests as a background job, whose
+                            # SIGINT is ignored, and Python then keeps it ignored (the run went to its end)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while proc.poll() is None and time.monotonic() < deadline:
