@@ -36,7 +36,8 @@ class EngineView:
 
 
 def reservation_blocks(request: TokenizedRequest, status: EngineStatus) -> int:
-    slots = min(len(request.prompt_token_ids) + request.params.max_tokens, status.max_model_len)
+    prompt_len = len(request.prompt_token_ids)
+    slots = min(prompt_len + request.params.output_limit(prompt_len, status.max_model_len), status.max_model_len)
     return -(-slots // status.block_size)
 
 

@@ -40,7 +40,7 @@ class OrcaPolicy:
         return True
 
     def reservation(self, request: Request, max_model_len: int) -> int:
-        return min(request.max_total_tokens, max_model_len)
+        return request.peak_tokens(max_model_len)
 
 
 class RequestLevelPolicy(OrcaPolicy):

@@ -45,10 +45,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def max_total_tokens(self) -> int:
-        """The KV slots Orca reserves: prompt_len + max_tokens."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
+    def output_limit(self, max_model_len: int) -> int:
+        """Most tokens it may generate: max_tokens, within the context."""
+        return self.params.output_limit(len(self.prompt_token_ids), max_model_len)
+
+    def peak_tokens(self, max_model_len: int) -> int:
+        """The KV slots Orca reserves: prompt_len + max_tokens, within the context."""
+        return len(self.prompt_token_ids) + self.output_limit(max_model_len)
 
     @property
     def is_finished(self) -> bool:

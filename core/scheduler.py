@@ -144,7 +144,7 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        peak_slots = max(min(request.max_total_tokens, self.max_model_len), self.policy.reservation(request, self.max_model_len))
+        peak_slots = max(request.peak_tokens(self.max_model_len), self.policy.reservation(request, self.max_model_len))
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
         if self.kv_cache.blocks_needed(peak_slots) > self.kv_cache.num_blocks:
             raise ValueError(f"request needs {peak_slots} KV slots under the {self.policy.name} policy but the cache "
@@ -444,8 +444,7 @@ class Scheduler:
             entries = self._in_flight.get(request.request_id)
             if entries is None or len(entries) != 1 or not entries[0][1]:
                 continue
-            if (len(request.output_token_ids) + 1 < request.params.max_tokens
-                    and request.num_tokens + 1 < self.max_model_len):
+            if len(request.output_token_ids) + 1 < request.output_limit(self.max_model_len):
                 ahead.append(request)
         return ahead
 
@@ -504,7 +503,7 @@ class Scheduler:
             return FinishReason.STOP
         if token in request.eos_token_ids and not params.ignore_eos:
             return FinishReason.STOP
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if len(request.output_token_ids) >= request.output_limit(self.max_model_len):
             return FinishReason.LENGTH
         return None
 

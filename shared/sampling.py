@@ -21,8 +21,9 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     """The sampling fields a request body (`shared.api.GenerateRequest`) and the engine's SamplingParams
     share, declared once; each adds the fields it spells its own way (stop strings, constraints)."""
 
-    max_tokens: int = 16
-    """Upper bound on generated tokens; Orca reserves prompt_len + max_tokens KV slots."""
+    max_tokens: int | None = 16
+    """Upper bound on generated tokens; None: until the context is full (vLLM's offline meaning). Orca
+    reserves prompt_len + max_tokens KV slots (within the context)."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
@@ -40,6 +41,11 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     """OpenAI's: token id -> a bias in [-100, 100] added to its logit before the penalties and sampling
     (-100 all but bans the token, 100 all but forces it). Logprobs stay those of the raw distribution."""
+
+    def output_limit(self, prompt_len: int, max_model_len: int) -> int:
+        """Most tokens a request with a prompt this long may generate: max_tokens, within the context."""
+        room = max_model_len - prompt_len
+        return room if self.max_tokens is None else min(self.max_tokens, room)
 
     def knobs(self) -> dict:
         """These fields by name (to build a SamplingParams from a request body)."""
@@ -75,8 +81,8 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
 
     def validate(self) -> SamplingParams:
         """Return self (with top_k=-1 normalised to 0) or raise ValueError naming the field."""
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               "max_tokens", self.max_tokens, "must be an integer >= 1")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", self.max_tokens, "must be an integer >= 1 (or null: until the context is full)")
         _check(_finite(self.temperature) and self.temperature >= 0.0,
                "temperature", self.temperature, "must be a finite number >= 0")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")

@@ -495,6 +495,6 @@ def finished_before_resume(request: Request, max_model_len: int) -> FinishReason
     last, params = request.output_token_ids[-1], request.params
     if last in params.stop_token_ids or (last in request.eos_token_ids and not params.ignore_eos):
         return FinishReason.STOP
-    if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= max_model_len:
+    if len(request.output_token_ids) >= request.output_limit(max_model_len):
         return FinishReason.LENGTH
     return None

@@ -136,7 +136,7 @@ class Call:
         out = []
         for index, event in batch:
             if event.finish_reason == "error":
-                error = from_generation_error(event.error)
+                error = from_generation_error(event.error, event.retry)
                 out.append(sse(error_body(error.status, error.message, error.param, error.status)))
                 return b"".join(out), True
             out.extend(sse(chunk) for chunk in self.chunks(index, event))
@@ -151,7 +151,7 @@ class Call:
         """A whole (not streamed) response takes in `batch`; a generation error is an API error."""
         for index, event in batch:
             if event.finish_reason == "error":
-                raise from_generation_error(event.error)
+                raise from_generation_error(event.error, event.retry)
             self.choices[index].add(event)
 
 
@@ -225,7 +225,7 @@ async def _first_event(generation: Generation) -> tuple[int, Event]:
         raise APIError(499, "the client closed the request before it started", code="client_closed_request")
     index, event = item
     if event.finish_reason == "error" and not event.token_ids:
-        raise from_generation_error(event.error)
+        raise from_generation_error(event.error, event.retry)
     return item
 
 

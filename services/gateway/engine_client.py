@@ -217,7 +217,7 @@ class EngineClient:
         if msg.headers and msg.headers.get("Status") == "503" and self.watch.resending(request_id):
             return  # no tokenizer took it yet (one restarts, or NATS just came back): the watch sends it again
         if msg.headers and msg.headers.get("Status") == "503":  # NATS: nobody subscribes to generate
-            route[0].deliver(route[1], Event(request_id, [], "", "error", error=NO_TOKENIZER))
+            route[0].deliver(route[1], Event(request_id, [], "", "error", error=NO_TOKENIZER, retry=True))
             return
         try:
             event = event_decoder.decode(msg.data)
@@ -230,7 +230,7 @@ class EngineClient:
     def _give_up(self, request_id: str, error: str) -> None:
         route = self.routes.get(request_id)
         if route is not None and request_id in route[0].unfinished:
-            route[0].deliver(route[1], Event(request_id, [], "", "error", error=error))
+            route[0].deliver(route[1], Event(request_id, [], "", "error", error=error, retry=True))
 
     async def _on_admission(self, msg: Msg) -> None:
         try:

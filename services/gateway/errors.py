@@ -46,11 +46,20 @@ def queue_full(message: str = "the admission queue is full; retry later") -> API
     return APIError(429, message, code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def from_generation_error(text: str | None) -> APIError:
-    """A generation that ended with finish_reason "error": whose fault was it?"""
+UNAVAILABLE_RETRY_AFTER_S = 5
+"""What a retryable 503 (no tokenizer, no engine, a stack shutting down) tells the client to wait."""
+
+
+def from_generation_error(text: str | None, retry: bool = False) -> APIError:
+    """A generation that ended with finish_reason "error": whose fault was it? `retry` (the event's flag: a
+    cause that passes) is never the request's fault: a 429 for a full queue, else a 503, both with
+    Retry-After. Otherwise the error text says whether the request itself was wrong (400)."""
     text = text or "the request failed"
     if QUEUE_FULL_MARKER in text:
         return queue_full(text)
+    if retry:
+        return APIError(503, text, code="engine_unavailable",
+                        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)})
     if any(marker in text for marker in USER_ERROR_MARKERS):
         return APIError(400, text)
     return APIError(503, text, code="engine_unavailable")

@@ -163,7 +163,7 @@ def resume_ids(request: GenerateRequest, vocab_size: int) -> list[int]:
     bad = next((t for t in resumed if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"resume token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if len(resumed) >= request.max_tokens:
+    if request.max_tokens is not None and len(resumed) >= request.max_tokens:
         raise ValueError(f"resume_token_ids holds {len(resumed)} tokens: max_tokens ({request.max_tokens}) "
                          "is reached already")
     return list(resumed)

@@ -54,19 +54,21 @@ class TokenizerTelemetry(ServiceTelemetry):
         if not self.tracing:
             return trace
         operation = "chat" if request.messages is not None else "text_completion"
-        trace.span = self.tracer.start_span(
-            f"{operation} {self.model_name}", context=context_from_headers(headers), kind=SpanKind.SERVER,
-            start_time=arrival_ns, attributes={
-                "gen_ai.operation.name": operation, "gen_ai.system": "orca-serve",
-                "gen_ai.provider.name": "orca-serve", "gen_ai.request.model": self.model_name,
-                "gen_ai.request.max_tokens": params.max_tokens, "gen_ai.request.temperature": params.temperature,
-                "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
-                "gen_ai.request.seed": params.seed if params.seed is not None else -1,
-                "gen_ai.request.presence_penalty": params.presence_penalty,
-                "gen_ai.request.frequency_penalty": params.frequency_penalty,
-                "gen_ai.request.stop_sequences": list(params.stop), "gen_ai.response.id": request.id,
-                "gen_ai.usage.input_tokens": num_prompt_tokens, "orca.request_id": request.id,
-                "orca.priority": request.priority})
+        attributes = {
+            "gen_ai.operation.name": operation, "gen_ai.system": "orca-serve",
+            "gen_ai.provider.name": "orca-serve", "gen_ai.request.model": self.model_name,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
+            "gen_ai.request.seed": params.seed if params.seed is not None else -1,
+            "gen_ai.request.presence_penalty": params.presence_penalty,
+            "gen_ai.request.frequency_penalty": params.frequency_penalty,
+            "gen_ai.request.stop_sequences": list(params.stop), "gen_ai.response.id": request.id,
+            "gen_ai.usage.input_tokens": num_prompt_tokens, "orca.request_id": request.id,
+            "orca.priority": request.priority}
+        if params.max_tokens is not None:  # null: until the context is full, no number to report
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        trace.span = self.tracer.start_span(f"{operation} {self.model_name}", context=context_from_headers(headers),
+                                            kind=SpanKind.SERVER, start_time=arrival_ns, attributes=attributes)
         self._child(trace.span, "tokenize", *tokenize_ns, {"gen_ai.usage.input_tokens": num_prompt_tokens})
         return trace
 

@@ -28,7 +28,7 @@ def make_scheduler(policy: str = "orca", *, num_blocks: int = 64, block_size: in
                      long_prefill_token_threshold=long_prefill_token_threshold)
 
 
-def make_request(request_id: str, prompt_len: int, max_tokens: int, ignore_eos: bool = True, priority: int = 0,
+def make_request(request_id: str, prompt_len: int, max_tokens: int | None, ignore_eos: bool = True, priority: int = 0,
                  prompt: list[int] | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     tokens = prompt if prompt is not None else list(range(10, 10 + prompt_len))
@@ -55,8 +55,8 @@ def run_to_end(scheduler: Scheduler, max_iterations: int = 10_000) -> list[Sched
 
 # ---- random workloads, for the property tests ----------------------------------------------------
 
-Workload = list[tuple[int, int, int, int | None, int | None]]
-"""Per request r<i>: (arrival iteration, prompt length, max_tokens, output index at which EOS is
+Workload = list[tuple[int, int, int | None, int | None, int | None]]
+"""Per request r<i>: (arrival iteration, prompt length, max_tokens (None: until the context is full), output index at which EOS is
 sampled or None, iteration at which the client aborts or None)."""
 
 
@@ -65,7 +65,7 @@ def workload_requests(last_arrival: int, max_prompt_len: int, max_tokens: int, l
     return st.tuples(
         st.integers(0, last_arrival),  # arrival iteration
         st.integers(1, max_prompt_len),  # prompt length
-        st.integers(1, max_tokens),  # max_tokens
+        st.one_of(st.none(), st.integers(1, max_tokens)),  # max_tokens
         st.one_of(st.none(), st.integers(0, max_tokens)),  # output index at which EOS is sampled
         st.one_of(st.none(), st.integers(0, last_abort)),  # iteration at which the client aborts
     )

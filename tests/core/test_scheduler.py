@@ -116,11 +116,15 @@ def test_abort_during_an_iteration_drops_its_result():
     assert s.update(out, fake_step(out)) == []
 
 
-def test_context_full_finishes_with_length():
+@pytest.mark.parametrize("max_tokens", [100, None], ids=["past-the-context", "null"])
+def test_context_full_finishes_with_length(max_tokens):
     s = make_scheduler(max_model_len=8)
-    s.add_request(make_request("a", 6, 100))
-    outputs = run_to_end(s)
-    assert sum(1 for o in outputs for x in o.scheduled if x.samples) == 2
+    s.add_request(make_request("a", 6, max_tokens))
+    events = []
+    while s.has_unfinished:
+        out = s.schedule()
+        events += s.update(out, fake_step(out))
+    assert [e.finish_reason for e in events] == [None, FinishReason.LENGTH]
 
 
 @pytest.mark.parametrize("prompt_len,max_tokens,error", [

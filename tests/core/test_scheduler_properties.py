@@ -36,7 +36,7 @@ def test_scheduler_invariants(config, requests, num_blocks):
     accepted: dict[str, int | None] = {}  # in arrival order
     finished: dict[str, object] = {}
     admitted: list[str] = []
-    for iteration in range(500):
+    for iteration in range(2000):  # ends once every request has (12 that fill the context, one at a time)
         accepted |= add_arrivals(s, requests, iteration)
         for event in abort_due(s, requests, iteration, live=accepted.keys() - finished.keys()):
             finished[event.request_id] = event.finish_reason
@@ -75,7 +75,7 @@ def test_batches_in_flight_never_share_a_request(policy, depth, requests, num_bl
     finished: set[str] = set()
     runner_tokens: dict[str, list[int]] = {}  # what a pipeline stage knows of each request
     in_flight: list = []
-    for iteration in range(600):
+    for iteration in range(2000):  # ends once every request has (12 that fill the context, one at a time, in a pipeline)
         accepted |= add_arrivals(s, requests, iteration)
         out = s.schedule()
         assert_chunks_capped(out, chunked, threshold, 48)

@@ -34,19 +34,23 @@ def test_max_tokens_defaults_and_context_rules():
     assert info.value.param == "prompt" and info.value.code == "context_length_exceeded"
 
 
-@pytest.mark.parametrize("text,status", [
-    ("the admission queue is full (2 requests); retry later", 429),
-    ("prompt has 1100 tokens; the model's context is 1024, leaving no room to generate", 400),
-    ("request needs 9000 KV slots (prompt + max_tokens) but the cache holds 4096", 400),
-    ("prompt token id 99999 is outside the vocabulary [0, 4096)", 400),
-    ("engine 0 failed: WorkerDied", 503), ("engine 1 is not ready", 503), (None, 503),
+@pytest.mark.parametrize("text,retry,status,retry_after", [
+    ("the admission queue is full (2 requests); retry later", True, 429, "1"),
+    ("prompt has 1100 tokens; the model's context is 1024, leaving no room to generate", False, 400, None),
+    ("request needs 9000 KV slots (prompt + max_tokens) but the cache holds 4096", False, 400, None),
+    ("prompt token id 99999 is outside the vocabulary [0, 4096)", False, 400, None),
+    ("engine 0 failed: WorkerDied", False, 503, None), ("engine 1 is not ready", False, 503, None),
+    (None, False, 503, None),
+    # a cause that passes is never the request's fault, whatever its words
+    ("no engine has been available for 60 s; retry later", True, 503, "5"),
+    ("this orca-serve instance is shutting down; retry later", True, 503, "5"),
+    ("the engine no longer had this request's outputs: it must be sent again", True, 503, "5"),
 ])
-def test_generation_errors_map_to_the_right_status(text, status):
-    error = from_generation_error(text)
+def test_generation_errors_map_to_the_right_status(text, retry, status, retry_after):
+    error = from_generation_error(text, retry)
     assert error.status == status
     assert set(error.body()["error"]) == {"message", "type", "param", "code"}
-    if status == 429:
-        assert error.headers["Retry-After"] == "1"
+    assert error.headers.get("Retry-After") == retry_after
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
