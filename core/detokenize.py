@@ -14,9 +14,10 @@ Decode = Callable[[Sequence[int]], str]
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> None:
         self._decode = decode
         self._stop = tuple(stop)
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -58,6 +59,18 @@ class IncrementalDetokenizer:
                 break
             text += self.add((token,))
             taken += 1
+        return text, taken
+
+    def add_output(self, token_ids: Sequence[int], engine_stopped: bool) -> tuple[str, int]:
+        """add_until_stop for an engine's output; `engine_stopped`: its finish reason is stop. A request
+        that ended on one of its stop token ids keeps that token (in its ids, its usage) but not its text,
+        as vLLM leaves it out; a stop string's text is left out likewise."""
+        decoded = token_ids
+        if engine_stopped and token_ids and token_ids[-1] in self._stop_token_ids:
+            decoded = token_ids[:-1]
+        text, taken = self.add_until_stop(decoded) if decoded else ("", 0)
+        if taken == len(decoded) and not self.stopped:
+            taken = len(token_ids)
         return text, taken
 
     def flush(self) -> str:

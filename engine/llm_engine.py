@@ -132,7 +132,8 @@ class LLMEngine:
                                 logprobs=[] if params.logprobs is not None else None)
         self.completions[request_id] = completion
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.decode, params.stop)
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.decode, params.stop,
+                                                                    params.stop_token_ids)
         return completion
 
     def abort(self, request_id: str) -> Delta | None:
@@ -181,8 +182,9 @@ class LLMEngine:
         detok = self._detokenizers.get(event.request_id)
         new_tokens = event.new_token_ids
         new_text = ""
+        engine_stopped = reason is FinishReason.STOP
         if detok is not None and detok.watches_stop_strings:
-            new_text, taken = detok.add_until_stop(new_tokens)
+            new_text, taken = detok.add_output(new_tokens, engine_stopped)
             new_tokens = new_tokens[:taken]
             if detok.stopped and reason in (None, FinishReason.LENGTH):  # the text ends at the stop string
                 if reason is None:
@@ -196,7 +198,7 @@ class LLMEngine:
         if detok is not None and (detok.watches_stop_strings or self.stream_text or reason is not None):
             if not detok.watches_stop_strings:
                 # Unstreamed, a request without stop strings is decoded once, from all its tokens.
-                new_text = detok.add(new_tokens if self.stream_text else completion.token_ids)
+                new_text = detok.add_output(new_tokens if self.stream_text else completion.token_ids, engine_stopped)[0]
             if reason is not None:
                 new_text += detok.flush()
             completion.text = detok.text if reason is not None else completion.text + new_text

@@ -143,14 +143,15 @@ def add_routes(app: FastAPI) -> None:
         if body.messages is not None:
             tokens = (await state.prompts.for_chat(body.messages)).token_ids
         else:
-            tokens = await state.prompts.run(state.tokenizer.encode, body.prompt)
+            tokens = await state.prompts.tokens(body.prompt)
         return {"count": len(tokens), "max_model_len": state.context_len(), "tokens": tokens}
 
     @app.post("/detokenize", response_model=t.DetokenizeResponse, responses=ERRORS)
     async def detokenize(body: t.DetokenizeRequest, request: Request) -> dict:
         state = state_of(request)
         state.check_model(body.model)
-        return {"prompt": await state.prompts.run(state.tokenizer.decode, state.prompts.checked(body.tokens))}
+        tokens = state.prompts.checked(body.tokens, "tokens")
+        return {"prompt": await state.prompts.run(state.tokenizer.decode, tokens)}
 
     @app.post("/v1/abort/{request_id}", response_model=t.AbortResponse, responses={401: ERRORS[401], 404: ERRORS[404]})
     async def abort(request_id: str, request: Request) -> dict:

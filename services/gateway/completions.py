@@ -72,7 +72,6 @@ class Call:
     def chunks(self, index: int, event: Event) -> list[dict]:
         choice = self.choices[index]
         first = not choice.started
-        sent_len = choice.text_len
         choice.started = True
         choice.add(event)
         logprobs = event.logprobs if self.want_logprobs and event.logprobs else None
@@ -83,7 +82,10 @@ class Call:
         # string may claim): the client sees the first token when it comes, as vLLM sends it.
         if not (text or event.token_ids or event.finish_reason or logprobs):
             return []
-        lp = completion_logprobs(logprobs, self.state.token_text, sent_len) if logprobs else None
+        lp = None
+        if logprobs:
+            lp = completion_logprobs(logprobs, self.state.token_text, choice.token_text_len)
+            choice.token_text_len = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return [self._with_usage(completion_chunk(self.public_id, self.created, self.model, index, text,
                                                   event.finish_reason, lp))]
 

@@ -11,7 +11,7 @@ Responses are built as plain dicts on the hot path; the response models here doc
 from __future__ import annotations
 
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,8 +45,16 @@ def _nullable_optionals(schema: dict[str, Any], model: type[BaseModel]) -> None:
         schema["properties"][key] = {"anyOf": [prop, {"type": "null"}], **notes}
 
 
+ANY_VALUE = object()
+"""In `Strict.inert`: every value of that field changes nothing here."""
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False, json_schema_extra=_nullable_optionals)
+    inert: ClassVar[dict[str, tuple[Any, ...]]] = {}
+    """Undeclared fields that clients send (the SDK's own models round-tripped, clients that send every
+    field), in the values that ask for nothing this server lacks: dropped before validation. Any other
+    value of such a field is still refused, naming it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -54,7 +62,15 @@ class Strict(BaseModel):
         if not isinstance(data, dict):
             return data
         optional = _optional_keys(cls)
-        return {key: value for key, value in data.items() if value is not None or key not in optional}
+        return {key: value for key, value in data.items()
+                if (value is not None or key not in optional) and not _is_inert(value, cls.inert.get(key))}
+
+
+def _is_inert(value: Any, inert_values: tuple[Any, ...] | None) -> bool:
+    if inert_values is None:
+        return False
+    # by type too: 0 == False, and `use_beam_search: 0` is no boolean
+    return any(v is ANY_VALUE or (type(value) is type(v) and value == v) for v in inert_values)
 
 
 @cache
@@ -164,6 +180,8 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
+    inert: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "suffix": (None, ""), "use_beam_search": (False, None), "prompt_logprobs": (None,)}
     prompt: Prompt
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
@@ -174,6 +192,8 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(Strict):
+    inert: ClassVar[dict[str, tuple[Any, ...]]] = {"cache_control": (ANY_VALUE,)}
+    """A prompt-caching hint (Anthropic's, sent through LiteLLM and the like): prefix reuse needs none."""
     type: Literal["text"]
     text: str
 
@@ -196,6 +216,10 @@ class ToolCall(Strict):
 
 
 class ChatMessage(Strict):
+    inert: ClassVar[dict[str, tuple[Any, ...]]] = {
+        # an assistant message as the openai SDK returns it (`message.model_dump()`), sent back in the history
+        "refusal": (None,), "annotations": (None, []), "audio": (None,), "function_call": (None,),
+        "cache_control": (ANY_VALUE,)}
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Content = None
     name: Annotated[str, Field(max_length=256)] | None = None
@@ -237,6 +261,10 @@ class NamedToolChoice(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
+    inert: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "audio": (None,),
+        "prediction": (None,), "web_search_options": (None,), "use_beam_search": (False, None),
+        "prompt_logprobs": (None,)}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     """Wins over max_tokens; without either, the rest of the context."""

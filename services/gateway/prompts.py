@@ -66,17 +66,27 @@ class Prompts:
         except Exception as exc:  # noqa: BLE001 - a Jinja template error is still about the messages
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
+    async def tokens(self, text: str, param: str = "prompt") -> list[int]:
+        """The text's token ids; a 400 for text that is no Unicode (JSON lets a lone UTF-16 surrogate
+        through, as "\\ud800", which the tokenizer refuses with a TypeError)."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {exc.start}",
+                           param=param) from None
+        return await self.run(self.tokenizer.encode, text)
+
     async def encode(self, text: str) -> PromptInput:
-        ids = await self.run(self.tokenizer.encode, text)
+        ids = await self.tokens(text)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         return PromptInput(ids, text)
 
-    def checked(self, ids: list[int]) -> list[int]:
+    def checked(self, ids: list[int], param: str = "prompt") -> list[int]:
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                           param="prompt")
+            what = "prompt token id" if param == "prompt" else "token id"
+            raise APIError(400, f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
         return ids
 
 

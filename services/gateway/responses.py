@@ -22,8 +22,9 @@ class Choice:
     """What one choice has received so far."""
 
     text: list[str] = field(default_factory=list)
-    text_len: int = 0
-    """Characters in `text` (a stream's logprob offsets start there)."""
+    token_text_len: int = 0
+    """Characters in the texts of the tokens whose logprobs were sent: where a stream's next
+    `text_offset` starts (the text sent may lag behind, held back for a stop string or a character)."""
     num_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
@@ -33,7 +34,6 @@ class Choice:
 
     def add(self, event: Event) -> None:
         self.text.append(event.text)
-        self.text_len += len(event.text)
         self.num_tokens += len(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)
@@ -119,13 +119,15 @@ def _entry(entry: Any) -> tuple[int, float, list[tuple[int, float]]]:
 
 
 def completion_logprobs(entries: list[Any], token_text: TokenText, offset: int = 0) -> dict:
+    """The legacy shape. Each `top_logprobs` dict holds the sampled token too (up to logprobs + 1 entries,
+    as OpenAI documents and vLLM sends); `text_offset` counts the token texts from `offset`."""
     tokens, logprobs, tops, offsets = [], [], [], []
     for entry in entries:
         token_id, logprob, top = _entry(entry)
         text = token_text(token_id)
         tokens.append(text)
         logprobs.append(logprob)
-        tops.append({token_text(t): lp for t, lp in top} or None)
+        tops.append({**{token_text(t): lp for t, lp in top}, text: logprob})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

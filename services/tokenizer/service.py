@@ -183,8 +183,9 @@ class TokenizerService:
             return
         trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
         self.ended.pop(request.id, None)
+        detokenizer = IncrementalDetokenizer(self.tokenizer.decode, params.stop, params.stop_token_ids)
         state = self.active[request.id] = ActiveRequest(
-            msg.reply, IncrementalDetokenizer(self.tokenizer.decode, params.stop), prompt_ids, trace=trace,
+            msg.reply, detokenizer, prompt_ids, trace=trace,
             tools=request.tools, tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,
             events=ReplayLog(first_seq=request.resume_seq))
         prime(state, resumed)
@@ -269,7 +270,7 @@ class TokenizerService:
         taken = Taken()
         for output in outputs:
             start = time.perf_counter()
-            text, n = state.detokenizer.add_until_stop(output.new_token_ids)
+            text, n = state.detokenizer.add_output(output.new_token_ids, output.finish_reason is FinishReason.STOP)
             taken.text += text
             self.telemetry.on_output(state.trace, n, time.perf_counter() - start)
             state.num_generated += n

@@ -94,3 +94,23 @@ def test_tokens_given_together_are_taken_up_to_the_one_that_completes_the_stop(t
     pieces.append(together.flush())
     assert taken == data_needed and together.token_ids == data[:data_needed]
     assert "".join(pieces) == together.text == one_by_one.text
+
+
+def test_a_final_stop_token_is_taken_but_its_text_is_not_the_outputs():
+    """vLLM's rule: a request that ends on one of its stop token ids keeps the token, not its text."""
+    detok = IncrementalDetokenizer(byte_decode, stop_token_ids=[ord("$")])
+    assert detok.add_output(list(b"a$b"), engine_stopped=False) == ("a$b", 3), "a stop token mid-output is text"
+    assert detok.add_output(list(b"c$"), engine_stopped=True) == ("c", 2)
+    assert detok.text == "a$bc"
+
+
+def test_an_output_that_ends_otherwise_keeps_its_last_tokens_text():
+    for stopped, last in ((True, "x"), (False, "$")):  # stopped on EOS or a grammar; or at max_tokens
+        detok = IncrementalDetokenizer(byte_decode, stop_token_ids=[ord("$")])
+        assert detok.add_output(list(f"a{last}".encode()), engine_stopped=stopped) == (f"a{last}", 2)
+
+
+def test_a_stop_string_before_the_stop_token_wins():
+    detok = IncrementalDetokenizer(byte_decode, stop=("ab",), stop_token_ids=[ord("$")])
+    text, taken = detok.add_output(list(b"xab$"), engine_stopped=True)
+    assert (text + detok.flush(), taken, detok.stopped) == ("x", 3, True)

@@ -51,16 +51,19 @@ def healthy_board() -> StatusBoard:
     return board
 
 
-Script = Callable[[GenerateRequest], list[str]]
-"""A request's output, as the texts of its events (the last one ends it)."""
+Script = Callable[[GenerateRequest], list]
+"""A request's output, as the texts of its events (the last one ends it): each a text, its tokens being
+its characters, or (text, token ids) for text that lags its tokens (held back by the tokenizer)."""
 
 
 class FakeEngineClient:
     """Records the requests the gateway publishes and answers each with its scripted events."""
 
-    def __init__(self, script: Script, finish_reason: str = "stop") -> None:
+    def __init__(self, script: Script, finish_reason: str = "stop", spacing_s: float = 0.0) -> None:
         self.script = script
         self.finish_reason = finish_reason
+        self.spacing_s = spacing_s
+        """Seconds between a request's events (0: all at once, so the gateway coalesces them)."""
         self.status = healthy_board()
         self.submitted: list[GenerateRequest] = []
         self.by_public_id: dict[str, Generation] = {}
@@ -74,14 +77,18 @@ class FakeEngineClient:
     def _answer(self, generation: Generation) -> None:
         for index, request in enumerate(generation.requests):
             texts = self.script(request)
-            for i, text in enumerate(texts):
-                last = i == len(texts) - 1
-                ids = [ord(c) for c in text]
-                generation.deliver(index, Event(
+            events = [item if isinstance(item, tuple) else (item, [ord(c) for c in item]) for item in texts]
+            for i, (text, ids) in enumerate(events):
+                last = i == len(events) - 1
+                event = Event(
                     request.id, ids, text, self.finish_reason if last else None,
-                    usage=Usage(len(request.prompt_token_ids or ()), sum(map(len, texts))) if last else None,
+                    usage=Usage(len(request.prompt_token_ids or ()), sum(len(e[1]) for e in events)) if last else None,
                     logprobs=[{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in ids]
-                    if request.logprobs is not None else None))
+                    if request.logprobs is not None else None)
+                if self.spacing_s:
+                    asyncio.get_running_loop().call_later(self.spacing_s * i, generation.deliver, index, event)
+                else:
+                    generation.deliver(index, event)
 
     def abort_soon(self, request_ids: list[str]) -> None:
         pass
@@ -90,10 +97,11 @@ class FakeEngineClient:
         pass
 
 
-def fake_gateway(script: Script, finish_reason: str = "stop") -> tuple[TestClient, FakeEngineClient, FakeTokenizer]:
+def fake_gateway(script: Script, finish_reason: str = "stop",
+                 spacing_s: float = 0.0) -> tuple[TestClient, FakeEngineClient, FakeTokenizer]:
     """The gateway app, its engine client and its tokenizer (the app's lifespan is not run: no NATS)."""
     settings = GatewaySettings(nats_url="nats://unused", model="m")
     app = build_app(settings)
-    client, tokenizer = FakeEngineClient(script, finish_reason), FakeTokenizer()
+    client, tokenizer = FakeEngineClient(script, finish_reason, spacing_s), FakeTokenizer()
     app.state.gateway = GatewayState(settings, client, tokenizer, VOCAB, 512, Counter())
     return TestClient(app), client, tokenizer

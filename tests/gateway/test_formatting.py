@@ -73,12 +73,13 @@ def test_a_body_that_is_no_json_object_is_a_400_that_says_why(path, body, conten
 def test_logprobs_in_openai_shapes():
     completion = completion_logprobs(ENTRIES, TOKENS.get)
     assert completion == {"tokens": ["a", "é"], "token_logprobs": [-0.5, -0.25],
-                          "top_logprobs": [{"a": -0.5, "bc": -1.5}, None], "text_offset": [0, 1]}
+                          "top_logprobs": [{"a": -0.5, "bc": -1.5}, {"é": -0.25}], "text_offset": [0, 1]}
     chat = chat_logprobs(ENTRIES, TOKENS.get)["content"]
     assert chat[1] == {"token": "é", "logprob": -0.25, "bytes": [0xC3, 0xA9], "top_logprobs": []}
     assert [t["token"] for t in chat[0]["top_logprobs"]] == ["a", "bc"]
     array_like = [[1, -0.5, [[2, -1.5]]]]  # TokenLogprob as msgspec sends it (array_like)
-    assert completion_logprobs(array_like, TOKENS.get)["top_logprobs"] == [{"bc": -1.5}]
+    assert completion_logprobs(array_like, TOKENS.get)["top_logprobs"] == [{"bc": -1.5, "a": -0.5}], \
+        "the sampled token is in its position's dict (OpenAI: up to logprobs + 1 entries)"
 
 
 def test_whole_responses_match_their_models():

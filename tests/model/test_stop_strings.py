@@ -5,6 +5,7 @@ token is the last one max_tokens allows."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from core.detokenize import IncrementalDetokenizer
@@ -69,3 +70,13 @@ def test_a_stop_string_completed_by_the_last_token_max_tokens_allows_is_a_stop(d
               for rid in PROMPTS}
     done = run(demo_model, policy, params)
     assert (done["a"].finish_reason, done["a"].text, done["a"].token_ids) == (FinishReason.STOP, before, tokens)
+
+
+@pytest.mark.parametrize("stop", [(), ("never",)], ids=["no-stop-strings", "with-stop-strings"])
+def test_a_stop_token_ends_the_request_without_its_text(demo_model, stop):
+    """vLLM's rule: the stop token id stays in token_ids (and the usage) but its text is left out."""
+    forced = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={42: 100.0}, stop=stop)
+    tokenizer = load_tokenizer(demo_model)
+    done = run(demo_model, "orca", {"a": msgspec.structs.replace(forced, stop_token_ids=(42,)), "b": forced})
+    assert (done["a"].token_ids, done["a"].text, done["a"].finish_reason) == ([42], "", FinishReason.STOP)
+    assert done["b"].token_ids == [42] * 5 and done["b"].text == tokenizer.decode([42] * 5) != ""

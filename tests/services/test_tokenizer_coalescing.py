@@ -217,3 +217,18 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop():
 
     on_main_thread, active = asyncio.run(go())
     assert on_main_thread == [True, False] and active == ["long", "short"]
+
+
+def test_a_stop_token_that_ends_the_request_is_counted_but_not_written_as_text():
+    async def go():
+        service, nc = await started({"stop_token_ids": [12]})
+        await service.on_outputs(iteration(token(12)))  # not the last: text like any other
+        await settle()
+        await service.on_outputs(iteration(token(11), token(12, FinishReason.STOP)))
+        await settle()
+        await service.stop_writer()
+        return nc.events()
+    events = asyncio.run(go())
+    assert "".join(e["text"] for e in events) == "<12><11>"
+    assert [t for e in events for t in e["token_ids"]] == [12, 11, 12]
+    assert events[-1]["finish_reason"] == "stop" and events[-1]["usage"]["completion_tokens"] == 3
