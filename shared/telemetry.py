@@ -252,8 +252,10 @@ class SnapshotPublisher:
     connection closes. One small message a second per process; it carries cumulative values, so
     a lost message costs nothing but freshness."""
 
-    def __init__(self, nc, snapshot: Callable[[], msgspec.Struct], interval_s: float = 1.0) -> None:
-        self.nc, self.snapshot, self.interval_s = nc, snapshot, interval_s
+    def __init__(self, nc, snapshot: Callable[[], msgspec.Struct], interval_s: float | None = None) -> None:
+        """`interval_s`: None for ORCA_METRICS_INTERVAL_S (every service follows the one setting)."""
+        self.nc, self.snapshot = nc, snapshot
+        self.interval_s = TelemetryConfig.from_env().metrics_interval_s if interval_s is None else interval_s
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:

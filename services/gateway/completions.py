@@ -145,9 +145,17 @@ class Call:
         return b"".join(out), False
 
     def ending(self, failed: bool) -> bytes:
-        """What ends a stream (usage, unless it failed, then `[DONE]`); counts its tokens."""
-        self.state.tokens["completion"] += sum(c.num_tokens for c in self.choices)
+        """What ends a stream (usage, unless it failed, then `[DONE]`)."""
         return (sse(self.usage_chunk()) if self.include_usage and not failed else b"") + SSE_DONE
+
+    def count_tokens(self) -> None:
+        """Once the call is over, however it ended (done, failed, aborted, its client gone): the tokens
+        of every choice that reached an engine, as the engine counts them. A choice refused before any
+        token (a full queue, no engine) counts no prompt tokens: no engine read them."""
+        per_prompt = len(self.choices) // len(self.prompt_lens)
+        generated = [(i, c.num_tokens) for i, c in enumerate(self.choices) if c.num_tokens]
+        self.state.tokens["prompt"] += sum(self.prompt_lens[i // per_prompt] for i, _ in generated)
+        self.state.tokens["completion"] += sum(n for _, n in generated)
 
     def add_all(self, batch: list[tuple[int, Event]]) -> None:
         """A whole (not streamed) response takes in `batch`; a generation error is an API error."""
@@ -197,7 +205,6 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
     requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, state.prompts.vocab_size, constraint)
     state.check_can_take()  # tokenizing took a while: look again before publishing
     generation = await state.client.submit(public_id, requests)
-    state.tokens["prompt"] += sum(len(p.token_ids) for p in prompts) * body.n
     watcher = asyncio.create_task(_abort_on_disconnect(http, generation))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     call = Call(state, public_id, chat, generation, [len(p.token_ids) for p in prompts], echo,
@@ -213,12 +220,12 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
         while batch is not None:
             call.add_all(batch)
             batch = await generation.take()
-        state.tokens["completion"] += sum(c.num_tokens for c in call.choices)
         return Response(msgspec.json.encode(call.response()), media_type="application/json")
     finally:
         if not streaming:
             watcher.cancel()
             generation.close()
+            call.count_tokens()
 
 
 async def _first_event(generation: Generation) -> tuple[int, Event]:
@@ -248,6 +255,7 @@ async def _stream(call: Call, first: tuple[int, Event], watcher: asyncio.Task):
     finally:
         watcher.cancel()
         call.generation.close()
+        call.count_tokens()
 
 
 async def _abort_on_disconnect(http: Request, generation: Generation, linger_s: float = 60.0) -> None:

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from shared.messages import AdmissionMetrics, EngineMetrics, HistogramData, MetricsSnapshot, TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
-                              TTFT_BUCKETS)
+                              TTFT_BUCKETS, TelemetryConfig)
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -37,14 +37,17 @@ log = logging.getLogger("orca.gateway")
 snapshot_decoder = msgspec.msgpack.Decoder(MetricsSnapshot)
 
 STALE_S = 5.0
-"""A gauge older than this is not shown (snapshots come every second)."""
+"""A gauge older than this is not shown (snapshots come every second, by default), nor one older than
+three snapshot intervals (ORCA_METRICS_INTERVAL_S), whichever is longer."""
 
 
 class MetricsBoard:
     """The latest snapshot of every source, with when it came."""
 
-    def __init__(self) -> None:
+    def __init__(self, stale_s: float | None = None) -> None:
         self.sources: dict[str, tuple[MetricsSnapshot, float]] = {}
+        self.stale_s = stale_s if stale_s is not None else max(STALE_S,
+                                                               3 * TelemetryConfig.from_env().metrics_interval_s)
 
     async def on_message(self, msg) -> None:
         try:
@@ -60,14 +63,14 @@ class MetricsBoard:
 
     def fresh_of(self, kind: type, now: float | None = None) -> list:
         now = time.monotonic() if now is None else now
-        return [s for s, at in self.sources.values() if isinstance(s, kind) and now - at < STALE_S]
+        return [s for s, at in self.sources.values() if isinstance(s, kind) and now - at < self.stale_s]
 
     def live_engines(self, now: float | None = None) -> list[EngineMetrics]:
         """The newest fresh snapshot of each replica."""
         now = time.monotonic() if now is None else now
         newest: dict[str, tuple[EngineMetrics, float]] = {}
         for snapshot, at in self.sources.values():
-            if isinstance(snapshot, EngineMetrics) and now - at < STALE_S:
+            if isinstance(snapshot, EngineMetrics) and now - at < self.stale_s:
                 if snapshot.replica not in newest or at > newest[snapshot.replica][1]:
                     newest[snapshot.replica] = (snapshot, at)
         return [s for s, _ in sorted(newest.values(), key=lambda item: item[0].replica)]

@@ -253,7 +253,7 @@ class TokenizerService:
             return
         self._ended(request_id, state)
         self.telemetry.on_final(state.trace, taken.reason, len(state.prompt_token_ids), state.num_generated,
-                                taken.error)
+                                taken.error, taken.retry)
         text = taken.text + state.detokenizer.flush()
         tool_calls = state.tool_calls() if taken.reason != FinishReason.ERROR else None
         failed = taken.reason == FinishReason.ERROR
@@ -398,6 +398,10 @@ class TokenizerService:
         """Stop gracefully: refuse new requests (an error event says why), let those in flight finish
         for up to `timeout_s` (or until `cut_short` is set), then end the rest with an error."""
         self.draining = True
+        try:  # gateways' /health stops saying ok now, not at the next heartbeat
+            await self.recovery.publish_status()
+        except Exception:  # noqa: BLE001 - NATS away: the heartbeat would have been lost as well
+            log.warning("tokenizer: could not tell the gateways it drains")
         deadline = time.monotonic() + timeout_s
         while self.active and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
             await asyncio.sleep(0.05)
@@ -418,7 +422,7 @@ class TokenizerService:
         """The final event of a request this instance gives up on (the caller removed it from
         `active`); the abort frees whatever admission or an engine still holds of it."""
         self.telemetry.on_final(state.trace, FinishReason.ERROR, len(state.prompt_token_ids), state.num_generated,
-                                error)
+                                error, retry)
         self._ended(request_id, state)
         await self.nc.publish(subjects.ABORT, encode_json(AbortRequest(request_id)))
         await self._publish_event(state, GenerateEvent(

@@ -76,8 +76,10 @@ class TokenizerTelemetry(ServiceTelemetry):
         return traceparent(trace.span) if trace.span is not None else None
 
     def on_reject(self, request_id: str | None, headers: dict[str, str] | None, error: str) -> None:
-        """An invalid request: a short error span, so the caller's trace shows why."""
-        if self.tracing:
+        """An invalid request: a short error span, so the caller's trace shows why. None for one that
+        names no request and is in no trace (`orca serve`'s readiness probe sends `{}`): no one could
+        find that span, and it would open every deployment's traces with an error."""
+        if self.tracing and (request_id or "traceparent" in (headers or {})):
             span = self.tracer.start_span("orca.request.invalid", context=context_from_headers(headers),
                                           attributes={"orca.request_id": request_id or "", "error.type": "invalid"})
             span.set_status(Status(StatusCode.ERROR, error))
@@ -98,13 +100,19 @@ class TokenizerTelemetry(ServiceTelemetry):
             trace.last_output = now
 
     def on_final(self, trace: RequestTrace, reason: FinishReason, num_prompt_tokens: int, num_generated: int,
-                 error: str | None) -> None:
+                 error: str | None, retry: bool = False) -> None:
+        """A request's last event. Its prompt tokens count once an engine has read them (its first token
+        came: vLLM counts them then). One refused for a cause that passes (a full queue, no engine, a
+        stack shutting down), before any token, is a rejection (admission counts those), not a finished
+        request: it adds no `finished` count and no latency sample, which would fall in an overload."""
         now = time.perf_counter()
         self.num_active -= 1
-        self.prompt_tokens += num_prompt_tokens
+        if num_generated:
+            self.prompt_tokens += num_prompt_tokens
         self.generation_tokens += num_generated
-        self.finished[reason] += 1
-        self.e2e.observe(now - trace.arrival)
+        if not (reason is FinishReason.ERROR and retry and not num_generated):
+            self.finished[reason] += 1
+            self.e2e.observe(now - trace.arrival)
         span = trace.span
         if span is None:
             return

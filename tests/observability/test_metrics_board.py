@@ -121,3 +121,23 @@ def test_snapshots_travel_over_nats_to_the_board(nats_url):
     board = asyncio.run(main())
     assert board.sources["adm-x"][0].queue_len >= 3  # it kept publishing, newest kept
     assert set(board.sources) == {"adm-x", "adm-y"}
+
+
+def test_every_publisher_follows_the_metrics_interval_and_the_board_waits_three_of_them(monkeypatch):
+    """ORCA_METRICS_INTERVAL_S reaches the tokenizer's and admission's publishers (not only the engine's),
+    and a gauge stays on /metrics for three intervals: at 6 s, not gone on every sixth scrape."""
+    from services.admission.service import AdmissionService
+    from services.tokenizer.service import TokenizerService
+    from tests.fake_nats import RecordingNats
+    from tests.reliability.test_recovery_shells import FakeTokenizer
+
+    monkeypatch.setenv("ORCA_METRICS_INTERVAL_S", "6")
+    nc = RecordingNats()
+    assert TokenizerService(nc, FakeTokenizer(), vocab_size=10).metrics.interval_s == 6.0
+    assert AdmissionService(nc, max_queue_len=4).metrics.interval_s == 6.0
+    board, now = MetricsBoard(), 1000.0
+    assert board.stale_s == 18.0
+    board.on_snapshot(engine("e0", "0", running=1, used_blocks=1, preemptions=0, iteration_tokens=[1]), now - 7)
+    assert [e.replica for e in board.live_engines(now)] == ["0"]
+    monkeypatch.delenv("ORCA_METRICS_INTERVAL_S")
+    assert MetricsBoard().stale_s == STALE_S and SnapshotPublisher(nc, lambda: None).interval_s == 1.0
