@@ -33,6 +33,12 @@ from shared.messages import HistogramData
 log = logging.getLogger("orca.telemetry")
 
 EXPORTERS = ("none", "console", "otlp", "jsonl")
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+"""OTEL_EXPORTER_OTLP_PROTOCOL's values that the Python SDK exports (it has no http/json exporter)."""
+SAMPLERS = {"always_on": 1.0, "parentbased_always_on": 1.0, "always_off": 0.0, "parentbased_always_off": 0.0,
+            "traceidratio": None, "parentbased_traceidratio": None}
+"""OTEL_TRACES_SAMPLER's values -> their ratio (None: OTEL_TRACES_SAMPLER_ARG). Every sampler here is
+parent-based: a request's spans in every service follow the decision of its first one."""
 
 # vLLM's bucket bounds, so dashboards' histogram_quantile reads the same resolution.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -51,7 +57,10 @@ class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     JSON object per span appended to `jsonl_path`; tests collect spans of many processes with it)."""
     jsonl_path: str | None = None
     otlp_endpoint: str | None = None
-    """An OTLP/gRPC collector, e.g. http://otel-collector:4317."""
+    """An OTLP collector: http://otel-collector:4317 over gRPC, or the whole traces URL over HTTP
+    (http://otel-collector:4318/v1/traces)."""
+    otlp_protocol: str = "grpc"
+    """`grpc` or `http/protobuf` (OTEL_EXPORTER_OTLP_PROTOCOL)."""
     service_name: str | None = None
     """OTel service.name; None means `orca-<component>`."""
     sampler_ratio: float = 1.0
@@ -66,6 +75,9 @@ class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("the jsonl traces exporter needs a path: ORCA_TRACES_EXPORTER=jsonl:<path>")
         if self.exporter == "otlp" and not self.otlp_endpoint:
             raise ValueError("the otlp traces exporter needs OTEL_EXPORTER_OTLP_ENDPOINT")
+        if self.otlp_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(f"OTLP protocol {self.otlp_protocol!r} (OTEL_EXPORTER_OTLP_PROTOCOL) is not one of "
+                             f"{OTLP_PROTOCOLS}")
         if not 0.0 <= self.sampler_ratio <= 1.0:
             raise ValueError(f"sampler ratio {self.sampler_ratio} (OTEL_TRACES_SAMPLER_ARG) must be in [0, 1]")
         if self.metrics_interval_s <= 0:
@@ -73,23 +85,45 @@ class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TelemetryConfig:
-        """OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER_ARG (standard), and
-        ORCA_TRACES_EXPORTER=none|console|otlp|jsonl:<path> (default: otlp when an endpoint is set,
-        else none), ORCA_METRICS_INTERVAL_S."""
+        """The standard OTel variables: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT and _PROTOCOL, OTEL_TRACES_EXPORTER
+        (otlp, console or none), OTEL_TRACES_SAMPLER and _ARG, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED; and
+        ORCA_TRACES_EXPORTER=none|console|otlp|jsonl:<path>, which wins over OTEL_TRACES_EXPORTER (default:
+        otlp when an endpoint is set, else none), ORCA_METRICS_INTERVAL_S."""
         env = os.environ if environ is None else environ
-        endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
-        exporter = env.get("ORCA_TRACES_EXPORTER") or ("otlp" if endpoint else "none")
+        protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+                    or "grpc").strip().lower()
+        endpoint = _otlp_endpoint(env, protocol)
+        exporter = (env.get("ORCA_TRACES_EXPORTER") or env.get("OTEL_TRACES_EXPORTER")
+                    or ("otlp" if endpoint else "none")).strip()
+        if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            exporter = "none"
         path = None
         if exporter.startswith("jsonl:"):
             exporter, path = "jsonl", exporter[len("jsonl:"):]
+        sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_traceidratio").strip().lower()
+        if sampler not in SAMPLERS:
+            raise ValueError(f"OTEL_TRACES_SAMPLER={sampler!r} is not one of {tuple(SAMPLERS)}")
         try:
-            ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG") or 1.0)
+            ratio = SAMPLERS[sampler]
+            if ratio is None:
+                ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG") or 1.0)
             interval = float(env.get("ORCA_METRICS_INTERVAL_S") or 1.0)
         except ValueError as exc:
             raise ValueError(f"bad telemetry setting: {exc}") from None
-        return cls(exporter=exporter, jsonl_path=path, otlp_endpoint=endpoint,
+        return cls(exporter=exporter, jsonl_path=path, otlp_endpoint=endpoint, otlp_protocol=protocol,
                    service_name=env.get("OTEL_SERVICE_NAME") or None, sampler_ratio=ratio,
                    metrics_interval_s=interval)
+
+
+def _otlp_endpoint(env, protocol: str) -> str | None:
+    """The collector to export to. Over HTTP the signal's own variable is the whole URL and the general one
+    gets `/v1/traces` appended (the OTel specification's rule); over gRPC either is host and port."""
+    traces, general = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"), env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if traces:
+        return traces
+    if general and protocol == "http/protobuf":
+        return general.rstrip("/") + "/v1/traces"
+    return general or None
 
 
 # ---- tracing set-up ------------------------------------------------------------------------------
@@ -130,6 +164,10 @@ def _provider(component: str, config: TelemetryConfig):
         exporter = ConsoleSpanExporter()
     elif config.exporter == "jsonl":
         exporter = JsonLinesSpanExporter(config.jsonl_path)
+    elif config.otlp_protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as OTLPHttpSpanExporter
+
+        exporter = OTLPHttpSpanExporter(endpoint=config.otlp_endpoint)
     else:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
