@@ -266,6 +266,9 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
     http_port = PortReservation(args.host, args.port)  # before starting anything: a taken port fails at once
     args.port = http_port.port
     stop = {"now": False}
+    # Ray prints the actors' warnings and errors here: line by line also into a pipe (docker logs, a
+    # supervisor), not in blocks that a crash would lose
+    sys.stdout.reconfigure(line_buffering=True)
 
     def on_signal(signum, frame) -> None:
         stop["now"] = True
@@ -295,7 +298,9 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
         cluster = RayCluster(owned=args.ray_address is None)
         check_ray_address_answers(args.ray_address)
         try:
-            ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=args.log_level == "DEBUG",
+            # log_to_driver: the engine's and the gateway's warnings and errors reach this terminal (each
+            # prefixed with its actor); Serve's INFO lines and access log stay in its log files
+            ray.init(address=args.ray_address, include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
         except ConnectionError as exc:  # --ray-address names no running cluster: one line, not Ray's traceback
             raise ValueError(f"--ray-address {args.ray_address}: {exc}") from None

@@ -281,8 +281,10 @@ def start_on_ray_serve(settings: GatewaySettings, host: str, http_port: PortRese
 
     # Serve still starts its HTTP proxy on the head node in this mode, unused; it binds with SO_REUSEPORT.
     with PortReservation(host, 0) as proxy_port:
+        # Serve's controller and proxy: their warnings only (their INFO lines, in the terminal `orca serve`
+        # forwards actor output to, name the unused proxy's port and every endpoint update)
         serve.start(http_options={"host": host, "port": proxy_port.port}, proxy_location="HeadOnly",
-                    controller_options={"runtime_env": {"env_vars": env}})
+                    controller_options={"runtime_env": {"env_vars": env}}, logging_config={"log_level": "WARNING"})
         deployment = serve.deployment(serve.ingress()(RayGateway), name="orca-gateway", num_replicas=1,
                                       max_ongoing_requests=4096, graceful_shutdown_timeout_s=5,
                                       # `orca serve` has waited for the open requests itself (_stop_gateway):
@@ -339,11 +341,21 @@ def rebindable_direct_ingress() -> bool:
     return True
 
 
+def quiet_serve_stderr() -> None:
+    """In the replica: Serve's log lines on stderr (which Ray forwards to the terminal of `orca serve`)
+    from WARNING up; its log file keeps every line, the access log too (one line per request, which on
+    the terminal would cost the serving path a write, a read and a print each)."""
+    for handler in logging.getLogger("ray.serve").handlers:
+        if type(handler) is logging.StreamHandler:
+            handler.setLevel(logging.WARNING)
+
+
 class RayGateway:
     """The Ray Serve replica: builds the same FastAPI app at replica start."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
+        quiet_serve_stderr()
         if not rebindable_direct_ingress():
             log.warning("gateway: this Ray Serve binds its port without SO_REUSEADDR; a restarted replica "
                         "may not get it back")

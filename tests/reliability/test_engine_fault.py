@@ -59,3 +59,6 @@ def test_a_forward_pass_that_raises_errors_every_request_and_the_engine_restarts
     assert out["figures"]["refused_in_s"] < 1.0
     assert out["after"].status_code == 200, out["after"].text
     assert_worker_replaced(stack, worker)
+    said = "".join(stack.serve.log)
+    assert "ERROR orca.engine: engine 0: step failed" in said and "injected fault" in said, \
+        "the operator's terminal shows the engine's error (Ray forwards the actors' output)"

@@ -103,7 +103,8 @@ def test_a_nats_url_nobody_answers_at_is_one_line_after_the_startup_timeout_and_
             os.killpg(serve.pid, signal.SIGKILL)
     assert serve.returncode == 2, out
     assert f"orca: error: NATS at {url} did not answer within 5 s (--startup-timeout)" in out, out
-    assert "Traceback" not in out and out.count("NATS error") <= 4, out  # once per process, not per attempt
+    # once per process (the probe, jobs, admission, tokenizer, the engine master), not per attempt
+    assert "Traceback" not in out and out.count("NATS error") <= 5, out
     assert time.monotonic() - began < 60, out
     deadline = time.monotonic() + 30  # Ray's processes exit a moment after orca serve; `make test` is loaded
     while (left := started_by(serve.pid, url)) and time.monotonic() < deadline:
