@@ -120,11 +120,13 @@ def main() -> None:
         warm_up(engine)
         engine.record_iterations = policy == "orca"
         results[policy] = run_engine(engine, workload, policy)
+        engine.record_iterations = False
+        iterations = list(engine.iterations)  # the run's alone: the single stream below is not replayed
         if policy == "orca":
             results[policy]["single_stream"] = single_stream_latency(engine, workload[0]["prompt_token_ids"][:64])
         print(json.dumps(results[policy]), file=sys.stderr)
         if policy == "orca" and not args.only_orca:  # replayed right after the run it replays, in the same conditions
-            bare_seconds = bare_loop(args, engine.iterations, engine.max_model_len)
+            bare_seconds = bare_loop(args, iterations, engine.max_model_len)
         del engine
     orca = results["orca"]
     (lo_in, hi_in), (lo_out, hi_out) = args.input_len, args.output_len

@@ -234,7 +234,7 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[C
     tasks), wait for a stop signal, then stop those tasks and drain. A stop signal while NATS does not
     answer yet ends it at once (connecting waits for the server for ever)."""
     stop = stop or stop_event_on_signals()
-    nc = await _connect_unless_stopped(url, name, stop)
+    nc = await connect_unless_stopped(url, name, stop)
     if nc is None:
         log.info("%s: stopped before NATS at %s answered", name, redact_url(url))
         return
@@ -250,7 +250,8 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[C
         await drain_quietly(nc)
 
 
-async def _connect_unless_stopped(url: str, name: str, stop: asyncio.Event) -> Client | None:
+async def connect_unless_stopped(url: str, name: str, stop: asyncio.Event) -> Client | None:
+    """`connect`, or None once `stop` is set first (a signal while the server does not answer)."""
     connecting, stopped = asyncio.ensure_future(connect(url, name)), asyncio.ensure_future(stop.wait())
     await asyncio.wait({connecting, stopped}, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()

@@ -17,13 +17,14 @@ ORCA_NATS_<USER>_PASSWORD: shared/env.py).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
 from ray import serve
 
 from services.cli import engine_config_from_args
-from services.engine.launch import WorkerLaunch, launch_master, replica_parser
+from services.engine.launch import START_GRACE_S, WorkerLaunch, launch_master, replica_parser
 from services.gateway.app import RayGateway
 from services.gateway.state import GatewaySettings
 from shared import env
@@ -52,15 +53,29 @@ class EngineReplica:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.master = launch_master(config, nats_url, self.replica, WorkerLaunch.of(settings), restarted_by_ray=False)
         self.running = self.master.run.remote()
+        self.hang_timeout_s = settings.hang_timeout
+        self.ping: Any = None
+        self.ping_sent_at = 0.0
+        self.grace_until = time.monotonic() + START_GRACE_S  # loading the model: no answer yet is no hang
 
     def check_health(self) -> None:
-        """Serve calls this periodically; a master that returned or failed restarts the replica."""
+        """Serve calls this periodically. A master that returned or failed, or one that has answered no
+        ping for `--hang-timeout` seconds (a blocked loop, a SIGSTOP), restarts the replica (and its
+        master and workers with it): the RayService's form of `orca serve`'s MasterSupervisor."""
         import ray
 
         done, _ = ray.wait([self.running], timeout=0)
         if done:
             ray.get(self.running)  # raises the master's error
             raise RuntimeError(f"engine replica {self.replica} stopped")
+        now = time.monotonic()
+        if self.ping is not None and ray.wait([self.ping], timeout=0)[0]:
+            self.ping, self.grace_until = None, 0.0  # it answers: from now on silence means a hang
+        if self.ping is None:
+            self.ping, self.ping_sent_at = self.master.ping.remote(), now
+        elif now - self.ping_sent_at > self.hang_timeout_s and now > self.grace_until:
+            raise RuntimeError(f"engine replica {self.replica}: its master answered nothing for "
+                               f"{now - self.ping_sent_at:.0f} s (hung; --hang-timeout {self.hang_timeout_s:g})")
 
 
 class Gateway(RayGateway):
@@ -92,7 +107,7 @@ def app(args: dict[str, Any]) -> serve.Application:
                                graceful_shutdown_timeout_s=5,
                                ray_actor_options={"num_cpus": 0,
                                                   "runtime_env": {"env_vars": {"ORCA_NATS_USER": "gateway"}}})
-    settings = GatewaySettings(nats_url=parsed.nats_url, model=config.model.model,
-                               served_model_name=parsed.served_model_name, api_key=env.api_key(),
-                               chat_template=config.model.chat_template)
-    return gateway.bind(settings, engines.bind(config, parsed.nats_url, settings))
+    gateway_settings = GatewaySettings(nats_url=parsed.nats_url, model=config.model.model,
+                                       served_model_name=parsed.served_model_name, api_key=env.api_key(),
+                                       chat_template=config.model.chat_template)
+    return gateway.bind(gateway_settings, engines.bind(config, parsed.nats_url, settings))

@@ -8,6 +8,7 @@ The API key comes from --api-key or ORCA_API_KEY.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from services.cli import add_chat_template_arg
 from services.gateway.app import build_app
@@ -35,8 +36,13 @@ def main() -> None:
                                api_key=args.api_key, chat_template=args.chat_template)
     import uvicorn
 
-    uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level.lower(),
-                access_log=False, timeout_graceful_shutdown=10)
+    app = build_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           access_log=False, timeout_graceful_shutdown=10))
+    app.state.stopping = lambda: server.should_exit  # a signal while NATS does not answer stops the wait
+    server.run()
+    if not server.started:  # as uvicorn.run: the app failed to start
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -75,14 +75,23 @@ def lifespan(settings: GatewaySettings, http_requests: Counter):
     async def run(app: FastAPI):
         from engine.tokenizer import load_tokenizer
         from model.arch import load_arch_config, resolve_max_model_len
-        from services.bus import connect, drain_quietly, redact_url
+        from services.bus import connect_unless_stopped, drain_quietly, redact_url
 
         tokenizer = await asyncio.to_thread(load_tokenizer, settings.model, settings.chat_template,
                                            control_plane=True)
         if tokenizer is None:
             raise RuntimeError(f"{settings.model} has no tokenizer files")
         arch = load_arch_config(settings.model)
-        nc = await connect(settings.nats_url, "orca-gateway")
+        stop, watch = _stop_event(app)
+        try:
+            nc = await connect_unless_stopped(settings.nats_url, "orca-gateway", stop)
+        finally:
+            if watch is not None:
+                watch.cancel()
+        if nc is None:  # a signal while NATS did not answer: start serving nothing, and stop at once
+            log.info("gateway: stopped before NATS at %s answered", redact_url(settings.nats_url))
+            yield
+            return
         client = EngineClient(nc)
         await client.start()
         state = GatewayState(settings, client, tokenizer, arch.vocab_size,
@@ -96,6 +105,22 @@ def lifespan(settings: GatewaySettings, http_requests: Counter):
         finally:
             await drain_quietly(nc)
     return run
+
+
+def _stop_event(app: FastAPI) -> tuple[asyncio.Event, asyncio.Task | None]:
+    """An event set once the server is stopping (`app.state.stopping()`, set by `python -m services.gateway`:
+    uvicorn's exit flag, which a signal raises while the lifespan still waits for NATS), and the task that
+    watches for it; never set under Ray Serve, which stops a replica itself."""
+    stop, stopping = asyncio.Event(), getattr(app.state, "stopping", None)
+    if stopping is None:
+        return stop, None
+
+    async def watch() -> None:
+        while not stopping():
+            await asyncio.sleep(0.1)
+        stop.set()
+
+    return stop, asyncio.get_running_loop().create_task(watch())
 
 
 def state_of(request: Request) -> GatewayState:

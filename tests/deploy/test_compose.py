@@ -372,6 +372,24 @@ def test_dockerfiles_pass_hadolint(dockerfile):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+GCC_OF_RELEASE = {"bookworm": "12", "trixie": "14", "ubuntu22.04": "11", "ubuntu24.04": "13"}
+"""The gcc major version of each base image's distribution release: what an apt pin `gcc=4:<major>.*` needs."""
+
+
+@pytest.mark.parametrize("dockerfile", ["deploy/docker/Dockerfile", "deploy/docker/Dockerfile.cuda"])
+def test_the_apt_pins_name_the_base_images_own_release(dockerfile):
+    """hadolint checks that packages are pinned, not that the pins exist: `python:3.11-slim` moved from
+    bookworm to trixie, and `gcc=4:12.*` stopped resolving. The base names its release, the pin matches it,
+    and an image with Triton (CUDA) has the compiler and Python headers Triton builds its launcher with."""
+    text = (ROOT / dockerfile).read_text()
+    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    [release] = [r for r in GCC_OF_RELEASE if r in base] or [None]
+    assert release is not None, f"{base}: name the distribution release, so the apt pins keep resolving"
+    assert re.search(rf"\bgcc=4:{GCC_OF_RELEASE[release]}\.", text), f"{base} has gcc {GCC_OF_RELEASE[release]}"
+    if "cuda" in dockerfile:
+        assert "python3.12-dev=" in text and "libc6-dev=" in text
+
+
 def grace_seconds(value: str) -> float:
     """A compose duration (`45s`, `1m30s`) in seconds."""
     units = {"h": 3600, "m": 60, "s": 1}

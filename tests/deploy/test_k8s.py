@@ -14,7 +14,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from shared.config import ServeConfig
+from services.engine.launch import WorkerLaunch
+from services.gateway.state import GatewaySettings
+from shared.config import EngineConfig, ServeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -249,6 +251,18 @@ def test_rayservice_scales_gpu_workers_and_keeps_them_off_the_head():
     assert images == {"orca-serve:cuda"}  # one Python (and Ray) across the cluster
 
 
+def test_every_ray_pod_holds_the_password_of_every_deployment_serve_may_place_on_it():
+    """Masters and gateway replicas ask for no resources, so Serve places them on any pod: each pod needs
+    the NATS password of each deployment's user (a gateway replica on a GPU pod logged in as `gateway`
+    with no password, refused once a minute, for ever), and the API key the gateway requires."""
+    cluster = find("RayService")["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        [container] = pod["template"]["spec"]["containers"]
+        names = {e["name"] for e in container.get("env", [])}
+        assert {"ORCA_NATS_GATEWAY_PASSWORD", "ORCA_NATS_ENGINE_PASSWORD", "ORCA_API_KEY"} <= names, names
+
+
 def serve_config() -> dict[str, Any]:
     return yaml.safe_load(find("RayService")["spec"]["serveConfigV2"])
 
@@ -272,6 +286,12 @@ def test_serve_application_builds_from_its_import_path_and_args():
     module, _, attr = application["import_path"].partition(":")
     built = getattr(importlib.import_module(module), attr)(application["args"])
     assert isinstance(built, Application)
+    gateway_settings, engines = built._bound_deployment.init_args
+    engine_config, nats_url, launch_settings = engines._bound_deployment.init_args
+    assert isinstance(gateway_settings, GatewaySettings) and gateway_settings.nats_url == nats_url
+    assert isinstance(engine_config, EngineConfig), engine_config
+    assert isinstance(launch_settings, ServeConfig), "the engine got another deployment's settings"
+    WorkerLaunch.of(launch_settings)  # what EngineReplica does with them first
     configured = {d["name"] for d in application["deployments"]}
     assert configured <= {rayservice.ENGINE_DEPLOYMENT, rayservice.GATEWAY_DEPLOYMENT}
     config, settings = rayservice.engine_config(application["args"]["engine_args"])
@@ -281,3 +301,42 @@ def test_serve_application_builds_from_its_import_path_and_args():
         rayservice.engine_config(["--no-such-flag"])
     with pytest.raises(ValueError, match="step_timeout"):
         rayservice.engine_config(["--model", "/m", "--step-timeout", "0"])
+
+
+def test_the_rayservice_engine_replica_fails_its_health_check_when_its_master_hangs(monkeypatch):
+    """`--hang-timeout` under the RayService: a master that answers no ping for that long (after its
+    start-up grace) fails the replica's health check, so Serve restarts it; one that answers never does."""
+    import ray
+
+    from services import rayservice
+
+    answered: set = set()
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([r for r in refs if r in answered], []))
+    clock = [1000.0]
+    monkeypatch.setattr(rayservice.time, "monotonic", lambda: clock[0])
+
+    class Master:
+        def __init__(self) -> None:
+            self.pings: list[object] = []
+            self.ping = self
+
+        def remote(self) -> object:
+            self.pings.append(object())
+            return self.pings[-1]
+
+    replica = rayservice.EngineReplica.__new__(rayservice.EngineReplica)
+    replica.replica, replica.master, replica.running = "r0", Master(), object()
+    replica.hang_timeout_s, replica.ping, replica.ping_sent_at, replica.grace_until = 10.0, None, 0.0, 1060.0
+    replica.check_health()  # a ping goes out
+    clock[0] += 30
+    replica.check_health()  # 30 s without an answer, but still loading the model: no verdict
+    answered.add(replica.master.pings[-1])
+    for _ in range(5):  # it answers every ping
+        clock[0] += 10
+        replica.check_health()
+        answered.add(replica.master.pings[-1])
+    clock[0] += 10
+    replica.check_health()  # a new ping
+    clock[0] += 11
+    with pytest.raises(RuntimeError, match="answered nothing for 11 s"):
+        replica.check_health()

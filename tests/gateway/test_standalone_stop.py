@@ -1,0 +1,41 @@
+"""`python -m services.gateway` (compose's gateway) stops on SIGTERM while NATS does not answer: it waited
+for NATS inside its lifespan, deaf to the signal, until compose's grace period ran out and it was killed."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tests.services.stack import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_stops_a_gateway_still_waiting_for_nats(demo_model):
+    url = f"nats://127.0.0.1:{free_port()}"  # nobody listens there
+    gateway = subprocess.Popen([sys.executable, "-m", "services.gateway", "--nats-url", url, "--model", demo_model,
+                                "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in gateway.stdout:  # until it is waiting for NATS
+            lines.append(line)
+            if "NATS error" in line:
+                break
+        gateway.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        out, _ = gateway.communicate(timeout=20)
+        took = time.monotonic() - sent
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+    said = "".join(lines) + out
+    assert took < 5, said
+    assert gateway.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM), said
+    assert "stopped before NATS" in said and "Traceback" not in said, said
