@@ -106,11 +106,16 @@ def generate(step, accept, vocab: int, tokenizer) -> dict:
 
 
 def main() -> None:
+    import argparse
+
     from transformers import AutoTokenizer
 
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+", help="checkpoint directories (their tokenizer and config.json)")
+    args = parser.parse_args()
     sys.path.insert(0, ".")
     results = {"imports_torch": {m: imports_torch(m) for m in ("llguidance", "xgrammar")}}
-    for model in sys.argv[1:]:
+    for model in args.models:
         vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
         tokenizer = AutoTokenizer.from_pretrained(model)
         results[model] = {"vocab": vocab, "llguidance": llguidance_run(tokenizer, vocab),

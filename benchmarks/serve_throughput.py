@@ -40,7 +40,7 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def start_serve(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "services.cli", "serve", *engine_argv(args)]
+    cmd = [sys.executable, "-m", "services.cli", "serve", *engine_argv(args), "--port", str(args.port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
@@ -106,6 +106,7 @@ async def run_over_nats(url: str, workload: list[dict]) -> dict:
 def main() -> None:
     parser = engine_parser(__doc__, num_requests=128, kv_cache_tokens=131072)  # `orca serve` gets the same flags
     parser.add_argument("--out")
+    parser.add_argument("--port", type=int, default=0, help="the HTTP port of the orca serve it starts (0: any free)")
     args = parser.parse_args()
     workload = orca_paper_workload(args.num_requests, args.seed)
 

@@ -35,6 +35,24 @@ def load_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character each byte is written as in a
+    byte-level BPE vocabulary -> that byte (printable bytes stand for themselves, the others are moved
+    past 255)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, moved = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + moved)] = byte
+            moved += 1
+    return chars
+
+
+BYTE_OF_CHAR = _byte_of_char()
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
         """`chat_template`: a `--chat-template` value (a file or the text), used instead of the checkpoint's."""
@@ -51,6 +69,36 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text))
+
+    @functools.lru_cache(maxsize=65_536)  # noqa: B019 - one tokenizer per process, a vocabulary's worth of entries
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes the token stands for (OpenAI's logprob `bytes`): a byte-level BPE token that is part of a
+        character decodes alone to U+FFFD, whose bytes are not its own, nor a byte-fallback token's (<0xE9>)."""
+        piece = self._tok.convert_ids_to_tokens(token_id)
+        if piece is None or token_id in self._special_ids:
+            return self.decode([token_id]).encode()
+        if self._byte_level:
+            try:
+                return bytes(BYTE_OF_CHAR[c] for c in piece)
+            except KeyError:  # an added token, not made of bytes
+                return self.decode([token_id]).encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.decode([token_id]).encode()
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        """Whether its decoder is GPT-2's byte level one (each character of a token stands for one byte)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        return decoder is not None and "ByteLevel" in repr(decoder)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(getattr(self._tok, "all_special_ids", ()))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._backend_decode is not None:

@@ -65,7 +65,7 @@ class Call:
     def response(self) -> dict:
         if self.chat:
             return chat_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
-                                 self.state.token_text, self.want_logprobs, self.tools)
+                                 self.state.token_text, self.want_logprobs, self.tools, self.state.token_bytes)
         return completion_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
                                    self.echo, self.state.token_text, self.want_logprobs)
 
@@ -100,7 +100,8 @@ class Call:
             out += deltas
         chunks = [chat_chunk(self.public_id, self.created, self.model, index, delta, None) for delta in out]
         if logprobs:
-            chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, self.state.token_text)
+            state = self.state
+            chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, state.token_text, state.token_bytes)
         if finish_reason is not None:
             if self.tool_streams is not None and self.tool_streams[index].called:
                 finish_reason = tool_calls_finish(finish_reason)

@@ -15,6 +15,7 @@ from services.gateway.constraints import ToolUse
 from services.gateway.engine_client import Event
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 @dataclass
@@ -61,12 +62,14 @@ def completion_response(public_id: str, created: int, model: str, choices: list[
 
 
 def chat_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
-                  token_text: TokenText, want_logprobs: bool, tools: ToolUse | None = None) -> dict:
+                  token_text: TokenText, want_logprobs: bool, tools: ToolUse | None = None,
+                  token_bytes: TokenBytes | None = None) -> dict:
     out = []
     for i, c in enumerate(choices):
         message, finish_reason = chat_message("".join(c.text), c.finish_reason, tools)
         out.append({"index": i, "message": message,
-                    "logprobs": chat_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
+                    "logprobs": chat_logprobs(c.logprobs, token_text, token_bytes) if want_logprobs and c.logprobs
+                    else None,
                     "finish_reason": finish_reason})
     return {"id": public_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(prompt_lens, choices)}
@@ -133,12 +136,15 @@ def completion_logprobs(entries: list[Any], token_text: TokenText, offset: int =
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[Any], token_text: TokenText) -> dict:
+def chat_logprobs(entries: list[Any], token_text: TokenText, token_bytes: TokenBytes | None = None) -> dict:
+    """OpenAI's chat shape. `bytes` are the token's own (`token_bytes`): the text of a token that is part of
+    a character is U+FFFD, and the client rebuilds the text from the bytes."""
+    def raw(token_id: int) -> list[int]:
+        return list(token_bytes(token_id) if token_bytes is not None else token_text(token_id).encode())
+
     content = []
     for entry in entries:
         token_id, logprob, top = _entry(entry)
-        text = token_text(token_id)
-        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()),
-                        "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
-                                         for t, lp in top]})
+        content.append({"token": token_text(token_id), "logprob": logprob, "bytes": raw(token_id),
+                        "top_logprobs": [{"token": token_text(t), "logprob": lp, "bytes": raw(t)} for t, lp in top]})
     return {"content": content}

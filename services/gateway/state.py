@@ -66,6 +66,11 @@ class GatewayState:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (part of a character too), where the tokenizer knows them."""
+        own = getattr(self.tokenizer, "token_bytes", None)
+        return own(token_id) if own is not None else self.token_text(token_id).encode()
+
     def model_card(self) -> dict:
         return {"id": self.settings.model_name, "object": "model", "created": self.started,
                 "owned_by": "orca-serve", "root": self.settings.model, "max_model_len": self.context_len()}

@@ -59,7 +59,6 @@ class TokenizerTelemetry(ServiceTelemetry):
             "gen_ai.provider.name": "orca-serve", "gen_ai.request.model": self.model_name,
             "gen_ai.request.temperature": params.temperature,
             "gen_ai.request.top_p": params.top_p, "gen_ai.request.top_k": params.top_k,
-            "gen_ai.request.seed": params.seed if params.seed is not None else -1,
             "gen_ai.request.presence_penalty": params.presence_penalty,
             "gen_ai.request.frequency_penalty": params.frequency_penalty,
             "gen_ai.request.stop_sequences": list(params.stop), "gen_ai.response.id": request.id,
@@ -67,6 +66,8 @@ class TokenizerTelemetry(ServiceTelemetry):
             "orca.priority": request.priority}
         if params.max_tokens is not None:  # null: until the context is full, no number to report
             attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        if params.seed is not None:
+            attributes["gen_ai.request.seed"] = params.seed
         trace.span = self.tracer.start_span(f"{operation} {self.model_name}", context=context_from_headers(headers),
                                             kind=SpanKind.SERVER, start_time=arrival_ns, attributes=attributes)
         self._child(trace.span, "tokenize", *tokenize_ns, {"gen_ai.usage.input_tokens": num_prompt_tokens})

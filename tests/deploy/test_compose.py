@@ -390,6 +390,19 @@ def test_the_apt_pins_name_the_base_images_own_release(dockerfile):
         assert "python3.12-dev=" in text and "libc6-dev=" in text
 
 
+def test_the_build_context_leaves_out_what_no_image_copies():
+    """.dockerignore keeps .venv (GBs after `make setup`), .git and the caches out of the context, and keeps
+    in every path the Dockerfiles COPY."""
+    ignored = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    assert {".venv", ".git", ".cache"} <= set(ignored)
+    for dockerfile in ("deploy/docker/Dockerfile", "deploy/docker/Dockerfile.cuda"):
+        for sources in re.findall(r"^COPY (.+) \S+$", (ROOT / dockerfile).read_text(), re.M):
+            for source in sources.split():
+                assert not any(source == i or source.startswith(i + "/") for i in ignored), (dockerfile, source)
+                assert (ROOT / source).exists(), (dockerfile, source)
+
+
 def grace_seconds(value: str) -> float:
     """A compose duration (`45s`, `1m30s`) in seconds."""
     units = {"h": 3600, "m": 60, "s": 1}
