@@ -439,6 +439,7 @@ class EngineMaster:
     # ---- messages out --------------------------------------------------------------------
 
     async def publish_outputs(self, events: list[RequestOutput]) -> None:
+        self.telemetry.on_finished(events)  # an abort, a stop string's cancel, a failed step: its span says which
         by_owner: dict[str, tuple[list[RequestOutput], list[int]]] = {}
         for event in events:
             held = self.held.get(event.request_id)

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 from nats.aio.client import Client
 from opentelemetry import trace
-from opentelemetry.trace import Link, Span, SpanKind
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
 
 from core.batch import SchedulerOutput, StepResult
 from core.scheduler import Scheduler
 from shared.messages import EngineMetrics, TokenizedRequest
-from shared.outputs import RequestOutput
+from shared.outputs import FinishReason, RequestOutput
 from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, LATENCY_BUCKETS, Histogram,
                               SnapshotPublisher, TelemetryConfig, context_from_traceparent, get_tracer,
                               new_source_id, setup_tracing, span_context_of)
@@ -137,10 +137,14 @@ class EngineTelemetry:
         })
         span.end(end_time=end_ns)
 
+    def on_finished(self, events: list[RequestOutput]) -> None:
+        """Requests the engine ended, from an iteration or outside one (an abort, a cancel, a failed step)."""
+        self._end_finished(events, time.time_ns())
+
     def _end_finished(self, events: list[RequestOutput], end_ns: int) -> None:
         for event in events:
             if event.finish_reason is not None:
-                self._end(event.request_id, event.finish_reason.label, end_ns)
+                self._end(event.request_id, event.finish_reason.label, end_ns, event.error)
         if len(self.requests) != len(self.scheduler.requests):
             self.sweep(end_ns)
 
@@ -149,10 +153,12 @@ class EngineTelemetry:
         for request_id in [r for r in self.requests if r not in self.scheduler.requests]:
             self._end(request_id, "cancelled", end_ns or time.time_ns())
 
-    def _end(self, request_id: str, reason: str, end_ns: int) -> None:
+    def _end(self, request_id: str, reason: str, end_ns: int, error: str | None = None) -> None:
         tracked = self.requests.pop(request_id, None)
         if tracked is not None and tracked.span is not None:
             tracked.span.set_attribute("orca.finish_reason", reason)
+            if reason == FinishReason.ERROR.label:
+                tracked.span.set_status(Status(StatusCode.ERROR, error or "error"))
             tracked.span.end(end_time=end_ns)
 
     # ---- metrics ----------------------------------------------------------------------------------

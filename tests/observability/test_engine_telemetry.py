@@ -134,3 +134,24 @@ def test_a_request_cancelled_between_iterations_ends_its_span():
              if x.name == "orca.engine.request"}
     assert ended["a"].attributes["orca.finish_reason"] == "cancelled"
     assert "b" not in ended and set(telemetry.requests) == {"b"}
+
+
+def test_an_abort_and_a_failed_step_end_their_spans_with_their_reason():
+    """The master hands the events it publishes outside an iteration (an abort, a failed step) to the
+    telemetry: the span says `abort`, or `error` with an error status, not `cancelled`."""
+    from opentelemetry.trace import StatusCode
+
+    from shared.outputs import FinishReason
+
+    tracer, exporter = recording_tracer()
+    s = make_scheduler(num_blocks=40)
+    telemetry = EngineTelemetry(None, "0", s, tracer=tracer)
+    admit(s, telemetry, tracer, [("a", 3, 10), ("b", 3, 10)])
+    step(s, telemetry)
+    telemetry.on_finished([s.finish("a", FinishReason.ABORT),
+                           s.finish("b", FinishReason.ERROR, "engine 0 failed: rank 0: RuntimeError: boom")])
+    ended = {x.attributes["orca.request_id"]: x for x in exporter.get_finished_spans()
+             if x.name == "orca.engine.request"}
+    assert ended["a"].attributes["orca.finish_reason"] == "abort" and ended["a"].status.status_code is StatusCode.UNSET
+    assert ended["b"].attributes["orca.finish_reason"] == "error"
+    assert ended["b"].status.status_code is StatusCode.ERROR and "boom" in ended["b"].status.description
