@@ -150,6 +150,9 @@ class SamplingFields(Strict):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     """vLLM extra."""
+    priority: Annotated[int, Field(ge=-2**31, lt=2**31)] = 0
+    """vLLM extra: lower is served first, equal priorities first come first served; it orders admission and,
+    under a policy that preempts, which request gives way."""
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     """Token id (as a string, as OpenAI takes it) -> a bias in [-100, 100] added to its logit before

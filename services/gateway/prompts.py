@@ -162,7 +162,8 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop,
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint)
+                frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
+                priority=request.priority)
             try:
                 generate.sampling_params()
             except ValueError as exc:

@@ -88,3 +88,10 @@ def test_streamed_text_offsets_equal_the_whole_responses(events):
                 writes += 1
     assert writes >= len(events), "the events were not written one by one"
     assert streamed == whole == list(range(6))
+
+
+def test_priority_reaches_every_request_of_the_call():
+    http, client, _ = fake_gateway(lambda request: ["ok"])
+    assert http.post("/v1/completions", json={"prompt": "hi", "n": 2, "priority": -3}).status_code == 200
+    assert [r.priority for r in client.submitted] == [-3, -3]
+    assert http.post("/v1/completions", json={"prompt": "hi", "priority": 2**31}).status_code == 400
