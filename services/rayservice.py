@@ -31,6 +31,9 @@ from shared import env
 from shared.config import EngineConfig, ServeConfig
 from shared.flags import serve_config_from_args
 
+AUTOSCALER_WAIT_S = 900.0
+"""How long an engine waits for KubeRay's autoscaler to add a pod with the devices it lacks (a GPU pod's
+start, its image pull included, takes minutes)."""
 ENGINE_DEPLOYMENT = "orca-engine"
 GATEWAY_DEPLOYMENT = "orca-gateway"
 
@@ -51,7 +54,8 @@ class EngineReplica:
 
     def __init__(self, config: EngineConfig, nats_url: str, settings: ServeConfig) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
-        self.master = launch_master(config, nats_url, self.replica, WorkerLaunch.of(settings), restarted_by_ray=False)
+        launch = WorkerLaunch.of(settings, autoscaler_wait_s=AUTOSCALER_WAIT_S)
+        self.master = launch_master(config, nats_url, self.replica, launch, restarted_by_ray=False)
         self.running = self.master.run.remote()
         self.hang_timeout_s = settings.hang_timeout
         self.ping: Any = None

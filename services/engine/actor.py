@@ -41,7 +41,8 @@ class EngineMasterActor:
         what = (f"engine {self.replica} (tp={self.config.parallel.tensor_parallel_size} "
                 f"pp={self.config.parallel.pipeline_parallel_size})")
         group = await asyncio.to_thread(reserve_workers, world, bundle, what=what,
-                                        name=f"orca-engine-{self.replica}-workers")
+                                        name=f"orca-engine-{self.replica}-workers",
+                                        autoscaler_wait_s=self.launch.autoscaler_wait_s)
         workers = [await self._start_worker(group, rank, bundle, max_model_len) for rank in range(world)]
         nc = await connect(self.nats_url, f"orca-engine-{self.replica}")
         self.master = EngineMaster(self.config, self.replica, nc, RayWorkerGroup(workers),

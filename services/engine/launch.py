@@ -44,16 +44,19 @@ class WorkerLaunch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Cores each worker (by rank) runs on alone (services/cpu_binding.py); None: not bound."""
     borrow_cores: tuple[int, ...] = ()
     """The control plane's cores a lone bound worker also runs on in an iteration that decodes nothing."""
+    autoscaler_wait_s: float | None = None
+    """None: devices the cluster does not have are refused at once (a fixed cluster); else how long to wait
+    for an autoscaler to add nodes with them (the RayService)."""
 
     @classmethod
     def of(cls, settings: ServeConfig, worker_threads: int | None = None,
            worker_cores: tuple[tuple[int, ...], ...] | None = None,
-           borrow_cores: tuple[int, ...] = ()) -> WorkerLaunch:
+           borrow_cores: tuple[int, ...] = (), autoscaler_wait_s: float | None = None) -> WorkerLaunch:
         """The workers' part of a launcher's ServeConfig; `worker_threads` where the launcher chose
         them (`orca serve` counts cores), and the cores it bound them to."""
         return cls(step_timeout_s=settings.step_timeout, worker_cpus=settings.worker_cpus,
                    worker_threads=worker_threads or settings.worker_threads, worker_cores=worker_cores,
-                   borrow_cores=borrow_cores)
+                   borrow_cores=borrow_cores, autoscaler_wait_s=autoscaler_wait_s)
 
     def cores_of(self, rank: int) -> tuple[int, ...] | None:
         return self.worker_cores[rank] if self.worker_cores else None

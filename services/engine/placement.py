@@ -40,10 +40,13 @@ def cluster_shortfall(num_workers: int, bundle: dict[str, float], total: dict[st
 
 
 def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, name: str = "",
-                    timeout_s: float = 60.0) -> Any:
+                    timeout_s: float = 60.0, autoscaler_wait_s: float | None = None) -> Any:
     """A ready placement group of `num_workers` bundles, or PlacementError saying what is missing.
     A group `name`d so already exists when a master restarts (a group outlives the actor that made
-    it, its workers do not): it is taken over, since its devices are held for nobody else."""
+    it, its workers do not): it is taken over, since its devices are held for nobody else.
+    `autoscaler_wait_s`: on a cluster that grows (KubeRay's autoscaler adds pods for the placement
+    groups that wait), what the nodes up now lack is waited for that long, not refused at once (no
+    group would wait, and the autoscaler would never see the demand)."""
     import ray
     from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 
@@ -58,12 +61,15 @@ def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, na
                 return group
             remove_placement_group(group)  # made for other flags: give its devices back
     shortfall = cluster_shortfall(num_workers, bundle, ray.cluster_resources(), what=what)
-    if shortfall:
+    if shortfall and autoscaler_wait_s is None:
         raise PlacementError(shortfall)
+    wait_s = max(timeout_s, autoscaler_wait_s or 0.0) if shortfall else timeout_s
     group = placement_group([dict(bundle) for _ in range(num_workers)], strategy="PACK", name=name)
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    ready, _ = ray.wait([group.ready()], timeout=wait_s)
     if not ready:
         remove_placement_group(group)
+        if shortfall:
+            raise PlacementError(f"{shortfall} (waited {wait_s:.0f} s for the autoscaler to add them)")
         raise PlacementError(
             f"{what}: no room for {num_workers} worker(s) of {bundle} after {timeout_s:.0f} s; the cluster has "
             f"{ray.available_resources()} free now (other engines hold the rest)")

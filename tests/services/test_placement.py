@@ -45,3 +45,30 @@ def test_only_a_ray_that_orca_serve_starts_itself_is_checked_against_this_machin
     assert not starts_local_ray("10.0.0.5:6379")
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")  # ray.init(address=None) joins that cluster
     assert not starts_local_ray(None)
+
+
+@pytest.mark.slow
+def test_on_a_cluster_that_grows_missing_devices_are_waited_for_not_refused():
+    """KubeRay's autoscaler adds a GPU pod only for a placement group that waits: refused at once, the
+    RayService's engines never got one. A fixed cluster (`orca serve`) still refuses at once."""
+    import time
+
+    import ray
+
+    from services.engine.placement import PlacementError, reserve_workers
+
+    ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        gpu_worker = worker_bundle("cuda", 1.0)
+        began = time.monotonic()
+        with pytest.raises(PlacementError, match=r"missing \{'GPU': 1.0\}"):
+            reserve_workers(1, gpu_worker, what="engine 0")
+        assert time.monotonic() - began < 5
+        began = time.monotonic()
+        with pytest.raises(PlacementError, match="waited 3 s for the autoscaler to add them"):
+            reserve_workers(1, gpu_worker, what="engine 0", timeout_s=0.5, autoscaler_wait_s=3.0)
+        assert 3.0 <= time.monotonic() - began < 15
+        assert ray.util.placement_group_table() == {} or all(
+            g["state"] == "REMOVED" for g in ray.util.placement_group_table().values()), "no group left waiting"
+    finally:
+        ray.shutdown()
