@@ -167,12 +167,45 @@ def run_record(spec: str, rate: float, args: argparse.Namespace, result: RunResu
     title = f"{spec} @ {_rate_text(rate)} req/s"
     print(format_report(metrics, title, goodput), flush=True)
     run = {"policy": spec.partition(":")[0], "label": f"{spec} ({args.label})" if args.label else spec,
-           "request_rate": _rate_text(rate), "burstiness": args.burstiness,
+           "request_rate": _rate_text(rate), "burstiness": args.burstiness, "workload": workload_text(vars(args)),
            "max_concurrency": args.max_concurrency, "num_prompts": len(result.records), "metrics": metrics,
            **(extra or {})}
     if args.save_detailed:
         run["requests"] = [r.to_json(result.t0) for r in result.records]
     return run
+
+
+def workload_text(config: dict) -> str:
+    """The workload a run's flags (or a saved file's `config`) describe, for plots and tables."""
+    if config.get("trace"):
+        return f"trace {config['trace']}"
+    dataset = config.get("dataset", "orca-paper")
+    if dataset == "orca-paper":
+        return "orca-paper workload: input U[32,512], output U[1,128], EOS ignored"
+    if dataset == "random":
+        return (f"random workload: input {config.get('random_input_len')}, "
+                f"output {config.get('random_output_len')} tokens")
+    return f"{dataset} workload {config.get('dataset_path') or ''}".strip()
+
+
+def _loaded_runs(paths: list[str]) -> list[dict]:
+    """The runs of saved files, each knowing its workload (older files keep it only in their config), and
+    runs of one curve label that differ in transport or workload relabelled apart (they merged into one
+    curve with one capacity)."""
+    runs = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        runs += [{"workload": workload_text(saved.get("config", {})), **run} for run in saved["runs"]]
+    kinds: dict[str, set] = {}
+    for run in runs:
+        kinds.setdefault(_label(run), set()).add((run.get("transport"), run["workload"]))
+    for run in runs:
+        if len(kinds[_label(run)]) > 1:
+            transports = {t for t, _ in kinds[_label(run)]}
+            apart = run.get("transport") if len(transports) > 1 else run["workload"]
+            run["label"] = f"{_label(run)} ({apart})"
+    return runs
 
 
 def _rate_text(rate: float | None) -> str:
@@ -307,9 +340,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 # ---- summary, capacity, save, plot ------------------------------------------------------------
 
 def finish(args: argparse.Namespace, runs: list[dict], kind: str) -> int:
-    for path in args.load_result:
-        with open(path, encoding="utf-8") as f:
-            runs = json.load(f)["runs"] + runs
+    runs = _loaded_runs(args.load_result) + runs
     if not runs:
         raise ValueError("nothing measured and nothing loaded")
     curves, rates = sweep_curves(runs)
@@ -470,8 +501,9 @@ def plot_titles(args: argparse.Namespace, runs: list[dict]) -> tuple[str, str]:
     where = {"gpt3-175b-a100-tp8pp2": "GPT-3 175B on 16x A100-40GB, TP8 x PP2 (cost model)",
              "this-machine": "tiny demo model on this CPU (fitted cost model)"}
     if measured:
-        transport = {"inprocess": "engine in process", "nats": "orca serve over NATS",
-                     "http": "orca serve over HTTP"}.get(measured[-1].get("transport"), "saved runs")
+        names = {"inprocess": "engine in process", "nats": "orca serve over NATS", "http": "orca serve over HTTP"}
+        transports = list(dict.fromkeys(names.get(r.get("transport"), "saved runs") for r in measured))
+        transport = transports[0] if len(transports) == 1 else " vs ".join(transports)
         model = measured[-1].get("model") or getattr(args, "model", None)
         model = os.path.basename(os.path.normpath(model)) if model else "demo model"
         title = f"orca bench: {model}, {transport}"
@@ -479,13 +511,10 @@ def plot_titles(args: argparse.Namespace, runs: list[dict]) -> tuple[str, str]:
             title = f"Measured vs simulated: {model}, {transport}"
     else:
         title = f"Simulated: {where.get(simulated[-1], simulated[-1])}"
-    if getattr(args, "trace", None):
-        shape = f"trace {args.trace}"
-    elif args.dataset == "orca-paper":
-        shape = "orca-paper workload: input U[32,512], output U[1,128], EOS ignored"
-    else:
-        shape = f"{args.dataset} workload"
-    arrivals = "Poisson" if args.burstiness == 1 else f"gamma arrivals (burstiness {args.burstiness:g})"
+    shape = " / ".join(dict.fromkeys(r.get("workload") or workload_text(vars(args)) for r in runs))
+    burstiness = sorted({r.get("burstiness", args.burstiness) for r in runs})
+    arrivals = ("Poisson" if burstiness == [1] else
+                f"gamma arrivals (burstiness {'/'.join(f'{b:g}' for b in burstiness)})")
     counts = sorted({r["num_prompts"] for r in runs})
     return title, f"{shape}; {arrivals}; {'/'.join(map(str, counts))} requests per point"
 
