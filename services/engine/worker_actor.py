@@ -55,6 +55,8 @@ class Worker:
         self.rank = ParallelRank.of(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
         self.runner = None
         self.fault_file = env.fault_injection_file()  # tests only; None in production
+        self.failed_step: int | None = None
+        """The step that failed since the last reset: the request state the steps after it build on is gone."""
         self._subscribed = asyncio.Event()
         self._steps: asyncio.Queue = asyncio.Queue()
         self.last_iteration: int | None = None
@@ -148,6 +150,10 @@ class Worker:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> StepResult | None:
         start = time.perf_counter()
+        if self.failed_step is not None:  # sent ahead (async scheduling) before the master heard of the failure
+            error = f"rank {self.rank.rank}: step {self.failed_step} failed before this one"
+            log.warning("%s; step %d not run", error, scheduler_output.iteration)
+            return StepResult(scheduler_output.iteration, error=error)
         try:
             # On the loop's thread, not handed to one: there the forward pass and the loop (NATS, Ray's actor
             # machinery) fought over the GIL at every torch call (a one-token decode of the tiny Llama took
@@ -157,6 +163,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - any failure ends the iteration with an error, not a hang
             log.error("rank %d: step %d failed:\n%s", self.rank.rank, scheduler_output.iteration,
                       traceback.format_exc())
+            self.failed_step = scheduler_output.iteration
             return StepResult(scheduler_output.iteration, error=f"rank {self.rank.rank}: {type(exc).__name__}: {exc}")
         if output is None:
             return None  # not the output rank
@@ -171,6 +178,7 @@ class Worker:
     async def reset(self) -> None:
         """Drop all request state (the master failed every request after a bad step); iterations go on
         being numbered where they were."""
+        self.failed_step = None
         if self.runner is not None:
             self.runner.requests.clear()
 

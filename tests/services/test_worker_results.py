@@ -83,3 +83,29 @@ def test_a_result_is_on_the_wire_before_the_next_waiting_step_runs(nats_url):
         stop.set()
         listener.join(TEST_TIMEOUT_S)
     assert worker.runner.seen_in_time, "step 0's result was held back until step 1 had run"
+
+
+def test_the_steps_sent_ahead_of_a_failed_one_are_not_run_until_the_reset():
+    """Under async scheduling step N+1 is on its way when N fails: it builds on state N never made, so it
+    fails without running (one line, not a second traceback, a KeyError), until the master resets."""
+    import logging
+
+    class FailingOnce:
+        def __init__(self) -> None:
+            self.requests: dict = {}
+            self.ran: list[int] = []
+
+        def execute(self, step: SchedulerOutput) -> RunnerOutput:
+            self.ran.append(step.iteration)
+            if step.iteration == 0:
+                raise RuntimeError("boom")
+            return RunnerOutput({"r": step.iteration})
+
+    worker = Worker(EngineConfig(model=ModelConfig(model="unused")), "nats://unused", "0", 64)
+    logging.getLogger().handlers.clear()  # Worker's setup_logging wrote to stderr; keep pytest's capture
+    worker.runner, worker.fault_file = FailingOnce(), None
+    failed, ahead = worker._execute(SchedulerOutput(0, [], [], [])), worker._execute(SchedulerOutput(1, [], [], []))
+    assert "RuntimeError: boom" in failed.error
+    assert ahead.error == "rank 0: step 0 failed before this one" and worker.runner.ran == [0]
+    asyncio.run(worker.reset())
+    assert worker._execute(SchedulerOutput(2, [], [], [])).output == RunnerOutput({"r": 2})
