@@ -156,6 +156,11 @@ class EngineMaster:
                                      pipeline_depth=parallel.pipeline_parallel_size, world_size=parallel.world_size)
 
     async def start(self) -> None:
+        kv = self.scheduler.kv_cache
+        if kv.num_blocks * kv.block_size < self.max_model_len:  # vLLM refuses to start so; this serves the cache's
+            log.warning("engine %s: the KV cache holds %d tokens, fewer than the context (%d): no request longer "
+                        "than the cache can run (raise --kv-cache-tokens or lower --max-model-len)", self.replica,
+                        kv.num_blocks * kv.block_size, self.max_model_len)
         await self.nc.subscribe(subjects.engine_admit(self.replica), cb=self.on_admit)
         await self.nc.subscribe(subjects.CANCEL, cb=self.on_cancel)
         await self.nc.subscribe(subjects.engine_result(self.replica), cb=self.on_result)

@@ -69,8 +69,9 @@ class StatusBoard:
         return admission is not None and admission.full
 
     def max_model_len(self) -> int | None:
-        """The longest context a ready engine serves (admission sends a request to any that fits)."""
-        return max((s.max_model_len for s in self.ready_engines()), default=None)
+        """The longest context a ready engine serves (admission sends a request to any that fits): its
+        max_model_len, or its whole KV cache where that holds fewer tokens (no request outgrows the cache)."""
+        return max((min(s.max_model_len, s.num_blocks * s.block_size) for s in self.ready_engines()), default=None)
 
     def kv_capacity_tokens(self) -> int | None:
         return max((s.num_blocks * s.block_size for s in self.ready_engines()), default=None)

@@ -149,3 +149,18 @@ def test_a_request_whose_client_left_before_any_response_counts_as_499_not_500()
 
     codes = {app.__name__: set(code for _, code in asyncio.run(run(app))) for app in (left, cancelled, failed, answered)}
     assert codes == {"left": {499}, "cancelled": {499}, "failed": {500}, "answered": {200}}
+
+
+def test_the_context_served_is_the_cache_where_the_cache_holds_fewer_tokens():
+    """`--kv-cache-tokens 512` under a 1,024-token context: no request past 512 tokens can ever run, so
+    /v1/models and the context-length 400 say 512 (vLLM refuses to start so; orca serves the cache's)."""
+    board = StatusBoard()
+    board.on_admission(AdmissionStatus(queue_len=0, max_queue_len=8, num_engines_ready=2))
+    for replica, blocks in (("0", 32), ("1", 16)):  # x 16 slots: 512 and 256 tokens
+        board.on_engine(EngineStatus(replica=replica, incarnation="i", ready=True, block_size=16, num_blocks=blocks,
+                                     admissible_blocks=blocks, num_running=0, num_waiting=0, max_num_seqs=4,
+                                     max_model_len=1024, last_admit_sequence=0, iteration=0, kv_used_blocks=0))
+    assert board.max_model_len() == 512
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(500, 13, board.max_model_len(), None)
+    assert "maximum context length is 512 tokens" in info.value.message
