@@ -14,10 +14,13 @@ Decode = Callable[[Sequence[int]], str]
 
 
 class IncrementalDetokenizer:
-    def __init__(self, decode: Decode, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, decode: Decode, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
+                 min_tokens: int = 0) -> None:
+        """`min_tokens`: stop strings match only once this many tokens are out (vLLM's min_tokens)."""
         self._decode = decode
         self._stop = tuple(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
+        self._min_tokens = min_tokens
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -91,7 +94,8 @@ class IncrementalDetokenizer:
         longest = max((len(s) for s in self._stop), default=0)
         search_from = max(0, len(self.text) - longest + 1)
         self.text += delta
-        matches = [at for at in (self.text.find(s, search_from) for s in self._stop) if at >= 0]
+        stops = self._stop if len(self._tokens) >= self._min_tokens else ()
+        matches = [at for at in (self.text.find(s, search_from) for s in stops) if at >= 0]
         if matches:
             self.text = self.text[:min(matches)]
             self.stopped = True

@@ -133,7 +133,7 @@ class LLMEngine:
         self.completions[request_id] = completion
         if self.tokenizer is not None:
             self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.decode, params.stop,
-                                                                    params.stop_token_ids)
+                                                                    params.stop_token_ids, params.min_tokens)
         return completion
 
     def abort(self, request_id: str) -> Delta | None:

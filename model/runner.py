@@ -76,7 +76,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
         # Only the rank that samples keeps grammars (structured outputs).
-        self.grammars = (GrammarMatchers(model_dir, self.arch.vocab_size, eos_token_ids(model_dir))
+        self.eos_token_ids = eos_token_ids(model_dir)
+        self.grammars = (GrammarMatchers(model_dir, self.arch.vocab_size, self.eos_token_ids)
                          if self.rank.is_output_rank else None)
         # One worker on the CPU picks its thread count per iteration (SMALL_STEP_TOKENS); others keep theirs.
         single_cpu_worker = self.device.type == "cpu" and self.groups.rank.world_size == 1
@@ -229,8 +230,9 @@ class ModelRunner:
         if new.params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
         tokens = list(new.token_ids)
+        ends = tuple(dict.fromkeys((*self.eos_token_ids, *new.params.stop_token_ids))) if new.params.min_tokens else ()
         return RequestState(tokens, list(new.block_ids),
-                            SamplingState(new.params, tokens, new.num_prompt_tokens, generator))
+                            SamplingState(new.params, tokens, new.num_prompt_tokens, generator, ends))
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         """The iteration's flat inputs and attention metadata, built once for all layers: per request

@@ -1,6 +1,6 @@
 """Turn the logits of one iteration into one token per request.
 
-Order, as in vLLM: logit bias, penalties, then greedy argmax or temperature / top-k / top-p / min-p
+Order, as in vLLM: logit bias, min_tokens' ban of the ending tokens, penalties, then greedy argmax or temperature / top-k / top-p / min-p
 and a draw. A request with a seed draws from its own generator, so its tokens do not
 depend on what else is in the batch. Logprobs are of the model's raw distribution.
 """
@@ -23,6 +23,8 @@ class SamplingState:
     token_ids: list[int]  # prompt + generated so far (penalties look at them)
     num_prompt_tokens: int
     generator: torch.Generator | None  # only for requests with a seed
+    ends: tuple[int, ...] = ()
+    """The tokens that would end it (EOS, its stop token ids): banned until `params.min_tokens` are out."""
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState],
@@ -90,6 +92,8 @@ def _apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
         scores = row[seen]
         row[seen] = torch.where(scores < 0, scores * params.repetition_penalty, scores / params.repetition_penalty)
     generated = state.token_ids[state.num_prompt_tokens:]
+    if len(generated) < params.min_tokens and state.ends:
+        row[torch.tensor(state.ends, dtype=torch.long, device=row.device)] = float("-inf")
     if generated and (params.presence_penalty or params.frequency_penalty):
         ids = torch.tensor(generated, dtype=torch.long, device=row.device)
         counts = torch.bincount(ids, minlength=row.shape[0]).to(row.dtype)

@@ -33,6 +33,9 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     """A per-request seed makes sampling reproducible whatever else is in the batch."""
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """vLLM's: until this many tokens are out, EOS and the stop token ids cannot be sampled and stop strings
+    do not match."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of the top-k alternatives."""
     repetition_penalty: float = 1.0
@@ -68,6 +71,7 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         """Whether its logits change before sampling (a bias or a penalty): the sampler's per-row path."""
         return (
             bool(self.logit_bias)
+            or self.min_tokens > 0
             or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
@@ -83,6 +87,11 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         """Return self (with top_k=-1 normalised to 0) or raise ValueError naming the field."""
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1 (or null: until the context is full)")
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0
+               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+               "min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        _check(not (self.min_tokens and self.structured_outputs is not None), "min_tokens", self.min_tokens,
+               "cannot be combined with structured outputs (a complete output could then end nowhere)")
         _check(_finite(self.temperature) and self.temperature >= 0.0,
                "temperature", self.temperature, "must be a finite number >= 0")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", self.top_p, "must be in (0, 1]")

@@ -141,6 +141,9 @@ class SamplingFields(Strict):
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
     """vLLM extra."""
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    """vLLM extra: until this many tokens are out, EOS and the stop token ids cannot be sampled and stop
+    strings do not match."""
     ignore_eos: bool = False
     """vLLM extra: generate max_tokens tokens whatever the model says (an output constraint that is complete
     still ends the request: no token could follow)."""

@@ -160,7 +160,8 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 id=f"{public_id}-{p * request.n + j}", prompt_token_ids=prompt.token_ids,
                 max_tokens=max_tokens[p], temperature=request.temperature, top_p=request.top_p,
                 top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop,
-                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, logprobs=logprobs,
+                stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
+                logprobs=logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
                 priority=request.priority)

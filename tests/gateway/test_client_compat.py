@@ -95,3 +95,11 @@ def test_priority_reaches_every_request_of_the_call():
     assert http.post("/v1/completions", json={"prompt": "hi", "n": 2, "priority": -3}).status_code == 200
     assert [r.priority for r in client.submitted] == [-3, -3]
     assert http.post("/v1/completions", json={"prompt": "hi", "priority": 2**31}).status_code == 400
+
+
+def test_min_tokens_reaches_the_requests_and_past_max_tokens_is_a_400():
+    http, client, _ = fake_gateway(lambda request: ["ok"])
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "min_tokens": 2}).status_code == 200
+    assert client.submitted[-1].min_tokens == 2
+    response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "min_tokens": 6})
+    assert response.status_code == 400 and "min_tokens=6" in response.json()["error"]["message"]

@@ -80,3 +80,33 @@ def test_a_stop_token_ends_the_request_without_its_text(demo_model, stop):
     done = run(demo_model, "orca", {"a": msgspec.structs.replace(forced, stop_token_ids=(42,)), "b": forced})
     assert (done["a"].token_ids, done["a"].text, done["a"].finish_reason) == ([42], "", FinishReason.STOP)
     assert done["b"].token_ids == [42] * 5 and done["b"].text == tokenizer.decode([42] * 5) != ""
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(demo_model):
+    """vLLM's min_tokens: EOS forced by a logit bias, a stop token id, a stop string, none ends the request
+    before min_tokens tokens are out; then each ends it at once."""
+    from model.arch import eos_token_ids
+
+    eos = eos_token_ids(demo_model)[0]
+    base = SamplingParams(max_tokens=12, temperature=0.0)
+    done = run(demo_model, "orca", {
+        "a": msgspec.structs.replace(base, logit_bias={eos: 100.0}, min_tokens=4),
+        "b": msgspec.structs.replace(base, logit_bias={42: 100.0}, stop_token_ids=(42,), min_tokens=3)})
+    assert (len(done["a"].token_ids), done["a"].token_ids[-1], done["a"].finish_reason) == (5, eos, FinishReason.STOP)
+    assert eos not in done["a"].token_ids[:4]
+    assert done["b"].token_ids[3] == 42 and len(done["b"].token_ids) == 4 and 42 not in done["b"].token_ids[:3]
+
+
+def test_min_tokens_stop_strings_match_only_after_them():
+    detok = IncrementalDetokenizer(lambda ids: bytes(ids).decode(), stop=("x",), min_tokens=3)
+    assert detok.add(list(b"x")) + detok.add(list(b"a")) + detok.add(list(b"x")) == "xa"
+    assert detok.stopped
+
+
+def test_min_tokens_past_max_tokens_or_with_a_constraint_is_refused():
+    from shared.structured import StructuredOutputs
+
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3).validate()
+    with pytest.raises(ValueError, match="structured outputs"):
+        SamplingParams(min_tokens=1, structured_outputs=StructuredOutputs(regex="a+")).validate()
