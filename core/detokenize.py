@@ -8,25 +8,39 @@ that is final (no trailing U+FFFD) is emitted, as TGI and vLLM do. Pure: the tok
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.sampling import SamplingParams
 
 Decode = Callable[[Sequence[int]], str]
 
 
 class IncrementalDetokenizer:
     def __init__(self, decode: Decode, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 min_tokens: int = 0) -> None:
-        """`min_tokens`: stop strings match only once this many tokens are out (vLLM's min_tokens)."""
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
+        """`min_tokens`: stop strings match only once this many tokens are out (vLLM's min_tokens);
+        `include_stop`: the text keeps the stop string, or the stop token's text, that ended it."""
         self._decode = decode
         self._stop = tuple(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
         self._min_tokens = min_tokens
+        self._include_stop = include_stop
         self._tokens: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
         self.text = ""
         self._emitted = 0
         self.stopped = False
+
+    @classmethod
+    def of(cls, decode: Callable[..., str], params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request with these parameters; `decode(ids, skip_special_tokens=...)`."""
+        if not params.skip_special_tokens:
+            decode = functools.partial(decode, skip_special_tokens=False)
+        return cls(decode, params.stop, params.stop_token_ids, params.min_tokens, params.include_stop_str_in_output)
 
     @property
     def watches_stop_strings(self) -> bool:
@@ -69,7 +83,7 @@ class IncrementalDetokenizer:
         that ended on one of its stop token ids keeps that token (in its ids, its usage) but not its text,
         as vLLM leaves it out; a stop string's text is left out likewise."""
         decoded = token_ids
-        if engine_stopped and token_ids and token_ids[-1] in self._stop_token_ids:
+        if engine_stopped and token_ids and token_ids[-1] in self._stop_token_ids and not self._include_stop:
             decoded = token_ids[:-1]
         text, taken = self.add_until_stop(decoded) if decoded else ("", 0)
         if taken == len(decoded) and not self.stopped:
@@ -95,9 +109,10 @@ class IncrementalDetokenizer:
         search_from = max(0, len(self.text) - longest + 1)
         self.text += delta
         stops = self._stop if len(self._tokens) >= self._min_tokens else ()
-        matches = [at for at in (self.text.find(s, search_from) for s in stops) if at >= 0]
+        matches = [(at, -len(s)) for s in stops if (at := self.text.find(s, search_from)) >= 0]
         if matches:
-            self.text = self.text[:min(matches)]
+            at, minus_len = min(matches)  # the first match; of two there, the longer
+            self.text = self.text[:at - minus_len if self._include_stop else at]
             self.stopped = True
         # Hold back a tail that could be the start of a stop string still being generated.
         hold = 0 if self.stopped or not longest else longest - 1

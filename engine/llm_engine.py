@@ -132,8 +132,7 @@ class LLMEngine:
                                 logprobs=[] if params.logprobs is not None else None)
         self.completions[request_id] = completion
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.decode, params.stop,
-                                                                    params.stop_token_ids, params.min_tokens)
+            self._detokenizers[request_id] = IncrementalDetokenizer.of(self.tokenizer.decode, params)
         return completion
 
     def abort(self, request_id: str) -> Delta | None:

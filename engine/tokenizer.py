@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared.api import GenerateRequest
+    from shared.api import ChatTurn, GenerateRequest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 JINJA_CHARS = "{}\n"
@@ -100,20 +100,23 @@ class Tokenizer:
     def _special_ids(self) -> frozenset[int]:
         return frozenset(getattr(self._tok, "all_special_ids", ()))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if self._backend_decode is not None:
-            return self._backend_decode(list(token_ids), skip_special_tokens=True)
-        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+            return self._backend_decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, turn: ChatTurn | None = None) -> list[int]:
         """The messages rendered for a reply. `tools`: transformers' `tools=` (the template offers them);
-        `chat_template`: a `--chat-template` value for this call, over the tokenizer's own."""
+        `chat_template`: a `--chat-template` value for this call, over the tokenizer's own; `turn`: how the
+        prompt ends (default: an opened assistant turn)."""
         template = load_chat_template(chat_template) if chat_template else self.chat_template
         if not template:
             raise ValueError("this model has no chat template; use a plain prompt (or give --chat-template)")
-        ids = self._tok.apply_chat_template(messages, tools=tools, chat_template=template,
-                                            add_generation_prompt=True, tokenize=True)
+        add, continue_final = (True, False) if turn is None else (turn.add_generation_prompt,
+                                                                   turn.continue_final_message)
+        ids = self._tok.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=add,
+                                            continue_final_message=continue_final, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
@@ -128,7 +131,7 @@ def render_messages(tokenizer: Tokenizer, request: GenerateRequest, chat_templat
                                   for m in request.messages or ()])
     tools = template_tools(request.tools, request.tool_choice)
     try:
-        return tokenizer.apply_chat_template(messages, tools, chat_template)
+        return tokenizer.apply_chat_template(messages, tools, chat_template, request.chat_turn())
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a Jinja error (a template's raise_exception) is still about the messages

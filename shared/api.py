@@ -22,6 +22,21 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A `tool` message: the call whose result `content` is."""
 
 
+class ChatTurn(msgspec.Struct, frozen=True):
+    """How the chat template ends the prompt (vLLM's two fields): open an assistant turn (the default), or
+    leave the last message, an assistant's, open for the reply to continue (prefill)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self, last_role: str) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt false (the reply continues the "
+                             "last message; no new turn opens)")
+        if self.continue_final_message and last_role != "assistant":
+            raise ValueError(f"continue_final_message continues the last message, an assistant's; it is {last_role!r}")
+
+
 class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
     """One request: its prompt (text, token ids or chat messages), the sampling fields (SamplingKnobs)
     and the fields of a body only: stop strings as given, constraints, tools, resume state."""
@@ -51,6 +66,10 @@ class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
     """OpenAI's: false allows at most one tool call."""
+    add_generation_prompt: bool = True
+    """With messages (ChatTurn): end the prompt with an opened assistant turn."""
+    continue_final_message: bool = False
+    """With messages (ChatTurn): the reply continues the last message, an assistant's."""
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -69,6 +88,13 @@ class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         if (self.tools or self.tool_choice is not None) and self.messages is None:
             raise ValueError("tools and tool_choice need messages (the chat template offers the tools)")
         check_tools(self.tools, self.tool_choice)
+        if self.messages is not None:
+            self.chat_turn().check(self.messages[-1].role)
+        elif not self.add_generation_prompt or self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message need messages")
+
+    def chat_turn(self) -> ChatTurn:
+        return ChatTurn(self.add_generation_prompt, self.continue_final_message)
 
     def sampling_params(self) -> SamplingParams:
         """Validated sampling parameters; ValueError names the bad field."""

@@ -36,6 +36,10 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0
     """vLLM's: until this many tokens are out, EOS and the stop token ids cannot be sampled and stop strings
     do not match."""
+    skip_special_tokens: bool = True
+    """vLLM's: special tokens are left out of the text (their ids stay in the output)."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: the text keeps the stop string (or the stop token's text) that ended it."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of the top-k alternatives."""
     repetition_penalty: float = 1.0

@@ -37,6 +37,7 @@ from services.gateway.responses import (SSE_DONE, Choice, chat_chunk, chat_logpr
                                         completion_logprobs, completion_response, sse, tool_calls_finish, usage)
 from services.gateway.state import GatewayState
 from services.gateway.tool_stream import ToolStream
+from shared.api import ChatTurn
 from shared.structured import StructuredOutputs
 
 
@@ -185,7 +186,8 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     check_unsupported(body)
     tools = tool_use(body)
     constraint = output_constraint(body, tools)
-    prompt = await state.prompts.for_chat(body.messages, tools.template_tools() if tools else None)
+    prompt = await state.prompts.for_chat(body.messages, tools.template_tools() if tools else None,
+                                          ChatTurn(body.add_generation_prompt, body.continue_final_message))
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt.token_ids), asked, state.context_len(), None,

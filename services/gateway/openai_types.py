@@ -141,6 +141,10 @@ class SamplingFields(Strict):
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
     """vLLM extra."""
+    skip_special_tokens: bool = True
+    """vLLM extra: special tokens are left out of the text (their ids and logprobs stay)."""
+    include_stop_str_in_output: bool = False
+    """vLLM extra: the text keeps the stop string (or the stop token's text) that ended it."""
     min_tokens: Annotated[int, Field(ge=0)] = 0
     """vLLM extra: until this many tokens are out, EOS and the stop token ids cannot be sampled and stop
     strings do not match."""
@@ -284,6 +288,11 @@ class ChatCompletionRequest(SamplingFields):
     function: it calls that one. `required` and named calls are constrained to the parameter schemas."""
     parallel_tool_calls: bool = True
     """false: at most one tool call."""
+    add_generation_prompt: bool = True
+    """vLLM extra: end the prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """vLLM extra: the last message, an assistant's, is left open and the reply continues it (prefill);
+    needs add_generation_prompt false."""
     modalities: Annotated[list[Literal["text"]], Field(min_length=1)] | None = None
     """Only ["text"]."""
 

@@ -16,7 +16,7 @@ from typing import TypeVar
 from engine.tokenizer import Tokenizer
 from services.gateway.errors import APIError
 from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
-from shared.api import GenerateRequest
+from shared.api import ChatTurn, GenerateRequest
 from shared.structured import StructuredOutputs
 from shared.tools import template_messages
 
@@ -53,14 +53,17 @@ class Prompts:
             return [PromptInput(self.checked(prompt))]
         return [PromptInput(self.checked(ids)) for ids in prompt]
 
-    async def for_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> PromptInput:
-        return PromptInput(await self.run(self.render_chat, messages, tools))
+    async def for_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
+                       turn: ChatTurn = ChatTurn()) -> PromptInput:
+        return PromptInput(await self.run(self.render_chat, messages, tools, turn))
 
-    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
+                    turn: ChatTurn = ChatTurn()) -> list[int]:
         """The messages (and the tools offered, transformers' `tools=`) through the chat template."""
         dicts = template_messages([{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in messages])
         try:
-            return self.tokenizer.apply_chat_template(dicts, tools)
+            turn.check(dicts[-1]["role"])
+            return self.tokenizer.apply_chat_template(dicts, tools, turn=turn)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a Jinja template error is still about the messages
@@ -161,7 +164,8 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 max_tokens=max_tokens[p], temperature=request.temperature, top_p=request.top_p,
                 top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop,
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
-                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
                 priority=request.priority)

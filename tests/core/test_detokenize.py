@@ -114,3 +114,11 @@ def test_a_stop_string_before_the_stop_token_wins():
     detok = IncrementalDetokenizer(byte_decode, stop=("ab",), stop_token_ids=[ord("$")])
     text, taken = detok.add_output(list(b"xab$"), engine_stopped=True)
     assert (text + detok.flush(), taken, detok.stopped) == ("x", 3, True)
+
+
+def test_include_stop_keeps_the_stop_string_or_the_stop_tokens_text():
+    """vLLM's include_stop_str_in_output: the text ends with what ended it."""
+    detok = IncrementalDetokenizer(byte_decode, stop=("ST", "STOP"), include_stop=True)
+    assert detok.add(list(b"hello STOP world")) + detok.flush() == "hello STOP"
+    detok = IncrementalDetokenizer(byte_decode, stop_token_ids=[ord("$")], include_stop=True)
+    assert detok.add_output(list(b"a$"), engine_stopped=True) == ("a$", 2)

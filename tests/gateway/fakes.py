@@ -36,9 +36,10 @@ class FakeTokenizer:
         return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, turn=None) -> list[int]:
         self.rendered.append((messages, tools))
-        return self.encode("".join(f"{m['role']}: {m.get('content')}\n" for m in messages) + "assistant:")
+        opened = "assistant:" if turn is None or turn.add_generation_prompt else ""
+        return self.encode("".join(f"{m['role']}: {m.get('content')}\n" for m in messages) + opened)
 
 
 def healthy_board() -> StatusBoard:

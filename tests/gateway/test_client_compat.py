@@ -103,3 +103,23 @@ def test_min_tokens_reaches_the_requests_and_past_max_tokens_is_a_400():
     assert client.submitted[-1].min_tokens == 2
     response = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "min_tokens": 6})
     assert response.status_code == 400 and "min_tokens=6" in response.json()["error"]["message"]
+
+
+def test_continue_final_message_renders_no_new_turn_and_is_checked():
+    http, client, tokenizer = fake_gateway(lambda request: ["ok"])
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, the"}]
+    body = {"messages": prefill, "add_generation_prompt": False, "continue_final_message": True}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    assert "".join(map(chr, client.submitted[-1].prompt_token_ids)).endswith("assistant: Sure, the\n")
+    for wrong, words in (({**body, "add_generation_prompt": True}, "needs add_generation_prompt false"),
+                         ({**body, "messages": prefill[:1]}, "an assistant's; it is 'user'")):
+        response = http.post("/v1/chat/completions", json=wrong)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], response.text
+
+
+def test_skip_special_tokens_and_include_stop_str_reach_the_requests():
+    http, client, _ = fake_gateway(lambda request: ["ok"])
+    body = {"prompt": "hi", "skip_special_tokens": False, "include_stop_str_in_output": True}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    sent = client.submitted[-1]
+    assert (sent.skip_special_tokens, sent.include_stop_str_in_output) == (False, True)

@@ -110,3 +110,23 @@ def test_min_tokens_past_max_tokens_or_with_a_constraint_is_refused():
         SamplingParams(max_tokens=2, min_tokens=3).validate()
     with pytest.raises(ValueError, match="structured outputs"):
         SamplingParams(min_tokens=1, structured_outputs=StructuredOutputs(regex="a+")).validate()
+
+
+def test_special_tokens_are_text_when_asked_and_stop_strings_can_be_kept(demo_model):
+    """vLLM's skip_special_tokens=false and include_stop_str_in_output, through the engine."""
+    from model.arch import eos_token_ids
+
+    tokenizer = load_tokenizer(demo_model)
+    eos = eos_token_ids(demo_model)[0]
+    forced = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logit_bias={eos: 100.0})
+    done = run(demo_model, "orca", {"a": forced, "b": msgspec.structs.replace(forced, skip_special_tokens=False)})
+    assert done["a"].token_ids == done["b"].token_ids == [eos, eos]
+    assert done["a"].text == "" and done["b"].text == tokenizer.decode([eos, eos], skip_special_tokens=False) != ""
+
+
+def test_the_stop_string_stays_in_the_text_when_asked(demo_model, stop_case):
+    stop, tokens, before = stop_case
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,),
+                            include_stop_str_in_output=True)
+    done = run(demo_model, "orca", {"a": params, "b": SamplingParams(max_tokens=2, temperature=0.0)})
+    assert (done["a"].text, done["a"].token_ids, done["a"].finish_reason) == (before + stop, tokens, FinishReason.STOP)
