@@ -34,6 +34,7 @@ SERVICE_ENV_VARS: dict[str, str] = {
     "ORCA_NATS_USER": "NATS user this process connects as (one per service: deploy/nats/nats.conf)",
     "ORCA_NATS_PASSWORD": "that user's password (never logged); unset: ORCA_NATS_<USER>_PASSWORD",
     "ORCA_API_KEY": "bearer token the HTTP gateway requires (unset: no auth)",
+    "ORCA_ALLOWED_ORIGINS": "origins browsers may call the HTTP API from, comma-separated (CORS; unset: `*`, as vLLM; empty: none)",
     "ORCA_CACHE_DIR": "where `orca serve` makes the demo model (default ~/.cache/orca-serve)",
     "ORCA_TEST_FAULT_FILE": "tests only: a file there makes a worker's next step fail (`raise`) or hang (`hang <s>`)",
 }
@@ -143,6 +144,15 @@ def jetstream_replicas() -> str | None:
 def api_key() -> str | None:
     """ORCA_API_KEY: the bearer token the HTTP gateway requires (unset or empty: no auth)."""
     return os.environ.get("ORCA_API_KEY") or None
+
+
+def allowed_origins() -> tuple[str, ...]:
+    """ORCA_ALLOWED_ORIGINS: the origins a browser may call the HTTP API from (CORS); unset: every origin,
+    as vLLM's --allowed-origins default; empty: none (no CORS headers)."""
+    value = os.environ.get("ORCA_ALLOWED_ORIGINS")
+    if value is None:
+        return ("*",)
+    return tuple(origin.strip() for origin in value.split(",") if origin.strip())
 
 
 def fault_injection_file() -> Path | None:

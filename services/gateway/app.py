@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from services.gateway import openai_types as t
@@ -67,6 +68,9 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(CountResponses, counts=counts, open_requests=app.state.open_requests)
     if setup_tracing("gateway"):
         app.add_middleware(TraceRequests)
+    if settings.allowed_origins:  # outermost: a browser's preflight (OPTIONS, no key) is answered before auth
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
     return app
 
 

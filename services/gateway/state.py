@@ -10,6 +10,7 @@ from engine.tokenizer import Tokenizer
 from services.gateway.engine_client import EngineClient
 from services.gateway.errors import APIError, queue_full
 from services.gateway.prompts import Prompts
+from shared import env
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Bodies past this get a 413 before they are parsed (NATS' own limit is 8 MiB here, 1 MiB by default)."""
@@ -24,6 +25,8 @@ class GatewaySettings:
     """The name clients pass as `model`; None means `model` as given."""
     api_key: str | None = field(default=None, repr=False)
     """Bearer token every route but /health and /metrics requires; None: no auth."""
+    allowed_origins: tuple[str, ...] = field(default_factory=env.allowed_origins)
+    """Origins browsers may call it from (CORS preflights need no key); (): no CORS headers."""
     max_body_bytes: int = MAX_BODY_BYTES
     chat_template: str | None = None
     """--chat-template: a Jinja file or the template text, rendered instead of the checkpoint's."""
