@@ -37,7 +37,10 @@ class EngineView:
 
 def reservation_blocks(request: TokenizedRequest, status: EngineStatus) -> int:
     prompt_len = len(request.prompt_token_ids)
-    slots = min(prompt_len + request.params.output_limit(prompt_len, status.max_model_len), status.max_model_len)
+    if request.params.max_tokens is None:  # null: until the context, or the engine's cache, is full
+        slots = min(status.max_model_len, status.num_blocks * status.block_size)
+    else:
+        slots = min(prompt_len + request.params.output_limit(prompt_len, status.max_model_len), status.max_model_len)
     return -(-slots // status.block_size)
 
 

@@ -144,8 +144,14 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens; the model's context is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        peak_slots = max(request.peak_tokens(self.max_model_len), self.policy.reservation(request, self.max_model_len))
         capacity = self.kv_cache.num_blocks * self.kv_cache.block_size
+        if request.params.max_tokens is None:  # null: until the context, or the cache, is full
+            room = min(self.max_model_len, capacity) - request.num_prompt_tokens
+            if room < 1:
+                raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; the KV cache holds {capacity}, "
+                                 "leaving no room to generate")
+            request.params = msgspec.structs.replace(request.params, max_tokens=room)
+        peak_slots = max(request.peak_tokens(self.max_model_len), self.policy.reservation(request, self.max_model_len))
         if self.kv_cache.blocks_needed(peak_slots) > self.kv_cache.num_blocks:
             raise ValueError(f"request needs {peak_slots} KV slots under the {self.policy.name} policy but the cache "
                              f"holds {capacity}")

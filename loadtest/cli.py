@@ -189,21 +189,26 @@ def workload_text(config: dict) -> str:
 
 
 def _loaded_runs(paths: list[str]) -> list[dict]:
-    """The runs of saved files, each knowing its workload (older files keep it only in their config), and
-    runs of one curve label that differ in transport or workload relabelled apart (they merged into one
-    curve with one capacity)."""
+    """The runs of saved files, each knowing its workload (older files keep it only in their config)."""
     runs = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
         runs += [{"workload": workload_text(saved.get("config", {})), **run} for run in saved["runs"]]
+    return runs
+
+
+def _kept_apart(runs: list[dict]) -> list[dict]:
+    """Runs of one curve label that differ in transport or workload (loaded, measured now, or both), each
+    relabelled with what tells it apart: they merged into one curve with one capacity."""
     kinds: dict[str, set] = {}
     for run in runs:
-        kinds.setdefault(_label(run), set()).add((run.get("transport"), run["workload"]))
+        kinds.setdefault(_label(run), set()).add((run.get("transport"), run.get("workload")))
     for run in runs:
-        if len(kinds[_label(run)]) > 1:
-            transports = {t for t, _ in kinds[_label(run)]}
-            apart = run.get("transport") if len(transports) > 1 else run["workload"]
+        kind = kinds[_label(run)]
+        if len(kind) > 1:
+            differs = [i for i in (0, 1) if len({k[i] for k in kind}) > 1]
+            apart = ", ".join(str((run.get("transport"), run.get("workload"))[i]) for i in differs)
             run["label"] = f"{_label(run)} ({apart})"
     return runs
 
@@ -340,7 +345,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 # ---- summary, capacity, save, plot ------------------------------------------------------------
 
 def finish(args: argparse.Namespace, runs: list[dict], kind: str) -> int:
-    runs = _loaded_runs(args.load_result) + runs
+    runs = _kept_apart(_loaded_runs(args.load_result) + runs)
     if not runs:
         raise ValueError("nothing measured and nothing loaded")
     curves, rates = sweep_curves(runs)

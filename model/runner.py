@@ -230,7 +230,10 @@ class ModelRunner:
         if new.params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(new.params.seed)
         tokens = list(new.token_ids)
-        ends = tuple(dict.fromkeys((*self.eos_token_ids, *new.params.stop_token_ids))) if new.params.min_tokens else ()
+        ends = ()
+        if new.params.min_tokens:  # ids past the vocabulary are refused before they get here; never index past it
+            vocab = self.arch.vocab_size
+            ends = tuple(t for t in dict.fromkeys((*self.eos_token_ids, *new.params.stop_token_ids)) if t < vocab)
         return RequestState(tokens, list(new.block_ids),
                             SamplingState(new.params, tokens, new.num_prompt_tokens, generator, ends))
 

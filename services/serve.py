@@ -269,6 +269,8 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
     # Ray prints the actors' warnings and errors here: line by line also into a pipe (docker logs, a
     # supervisor), not in blocks that a crash would lose
     sys.stdout.reconfigure(line_buffering=True)
+    if not sys.stdout.isatty():  # Ray colours each actor's prefix; a pipe or a file gets plain text
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
     def on_signal(signum, frame) -> None:
         stop["now"] = True

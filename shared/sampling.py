@@ -22,7 +22,8 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     share, declared once; each adds the fields it spells its own way (stop strings, constraints)."""
 
     max_tokens: int | None = 16
-    """Upper bound on generated tokens; None: until the context is full (vLLM's offline meaning). Orca
+    """Upper bound on generated tokens; None: until the context (or a smaller KV cache) is full (vLLM's offline
+    meaning). Orca
     reserves prompt_len + max_tokens KV slots (within the context)."""
     temperature: float = 1.0
     """0 means greedy."""
@@ -83,17 +84,19 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raise ValueError if a token id it names is outside the vocabulary (the sampler would index past it)."""
-        bad = next((t for t in self.logit_bias or () if t >= vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {vocab_size})")
+        for field, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{field} token id {bad} is outside the vocabulary [0, {vocab_size})")
 
     def validate(self) -> SamplingParams:
         """Return self (with top_k=-1 normalised to 0) or raise ValueError naming the field."""
         _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", self.max_tokens, "must be an integer >= 1 (or null: until the context is full)")
-        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0
-               and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
-               "min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool) and self.min_tokens >= 0,
+               "min_tokens", self.min_tokens, "must be an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"exceeds max_tokens ({self.max_tokens}, its default where not given)")
         _check(not (self.min_tokens and self.structured_outputs is not None), "min_tokens", self.min_tokens,
                "cannot be combined with structured outputs (a complete output could then end nowhere)")
         _check(_finite(self.temperature) and self.temperature >= 0.0,

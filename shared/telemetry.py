@@ -85,34 +85,63 @@ class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TelemetryConfig:
-        """The standard OTel variables: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT and _PROTOCOL, OTEL_TRACES_EXPORTER
-        (otlp, console or none), OTEL_TRACES_SAMPLER and _ARG, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED; and
-        ORCA_TRACES_EXPORTER=none|console|otlp|jsonl:<path>, which wins over OTEL_TRACES_EXPORTER (default:
-        otlp when an endpoint is set, else none), ORCA_METRICS_INTERVAL_S."""
+        """The standard OTel variables: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT and _PROTOCOL, OTEL_TRACES_EXPORTER,
+        OTEL_TRACES_SAMPLER and _ARG, OTEL_SERVICE_NAME, OTEL_SDK_DISABLED; and ORCA_TRACES_EXPORTER=none|console|
+        otlp|jsonl:<path>, which wins over OTEL_TRACES_EXPORTER (default: otlp when an endpoint is set, else none),
+        ORCA_METRICS_INTERVAL_S. A standard value this SDK set-up cannot honour (an exporter or a sampler it does
+        not have, http/json) is a warning naming the variable and its fallback, never a failure to start:
+        tooling such as the OTel Operator sets these for every container."""
         env = os.environ if environ is None else environ
-        protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                    or "grpc").strip().lower()
+        protocol_var = next((v for v in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+                             if env.get(v)), None)
+        protocol = env[protocol_var].strip().lower() if protocol_var else "grpc"
+        if protocol not in OTLP_PROTOCOLS:
+            fallback = "http/protobuf" if protocol.startswith("http") else "grpc"
+            log.warning("%s=%s is not one this SDK exports (%s); using %s", protocol_var, protocol,
+                        ", ".join(OTLP_PROTOCOLS), fallback)
+            protocol = fallback
         endpoint = _otlp_endpoint(env, protocol)
-        exporter = (env.get("ORCA_TRACES_EXPORTER") or env.get("OTEL_TRACES_EXPORTER")
+        exporter = (env.get("ORCA_TRACES_EXPORTER") or _standard_exporter(env.get("OTEL_TRACES_EXPORTER"))
                     or ("otlp" if endpoint else "none")).strip()
         if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
             exporter = "none"
+        if exporter == "otlp" and endpoint is None:  # the specification's default collector, on this host
+            endpoint = DEFAULT_OTLP_ENDPOINTS[protocol]
         path = None
         if exporter.startswith("jsonl:"):
             exporter, path = "jsonl", exporter[len("jsonl:"):]
         sampler = (env.get("OTEL_TRACES_SAMPLER") or "parentbased_traceidratio").strip().lower()
         if sampler not in SAMPLERS:
-            raise ValueError(f"OTEL_TRACES_SAMPLER={sampler!r} is not one of {tuple(SAMPLERS)}")
+            log.warning("OTEL_TRACES_SAMPLER=%s is not one of %s; using parentbased_traceidratio", sampler,
+                        ", ".join(SAMPLERS))
+            sampler = "parentbased_traceidratio"
         try:
             ratio = SAMPLERS[sampler]
             if ratio is None:
                 ratio = float(env.get("OTEL_TRACES_SAMPLER_ARG") or 1.0)
             interval = float(env.get("ORCA_METRICS_INTERVAL_S") or 1.0)
         except ValueError as exc:
-            raise ValueError(f"bad telemetry setting: {exc}") from None
+            raise ValueError(f"bad telemetry setting (OTEL_TRACES_SAMPLER_ARG or ORCA_METRICS_INTERVAL_S): {exc}") \
+                from None
         return cls(exporter=exporter, jsonl_path=path, otlp_endpoint=endpoint, otlp_protocol=protocol,
                    service_name=env.get("OTEL_SERVICE_NAME") or None, sampler_ratio=ratio,
                    metrics_interval_s=interval)
+
+
+DEFAULT_OTLP_ENDPOINTS = {"grpc": "http://localhost:4317", "http/protobuf": "http://localhost:4318/v1/traces"}
+"""The OTel specification's default collector for each protocol."""
+
+
+def _standard_exporter(value: str | None) -> str | None:
+    """OTEL_TRACES_EXPORTER (a comma-separated list in the specification) as the one exporter set up here:
+    none wins, then otlp, then console; what is not one of those is a warning."""
+    if not value:
+        return None
+    names = [name.strip().lower() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ("none", "otlp", "console")]
+    if unknown:
+        log.warning("OTEL_TRACES_EXPORTER: %s not available here (otlp, console or none); ignored", ", ".join(unknown))
+    return next((name for name in ("none", "otlp", "console") if name in names), "none")
 
 
 def _otlp_endpoint(env, protocol: str) -> str | None:

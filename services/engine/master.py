@@ -318,6 +318,7 @@ class EngineMaster:
         else:
             doomed = list(self.scheduler.requests)
         events = [e for rid in doomed if (e := self.scheduler.finish(rid, FinishReason.ERROR, message)) is not None]
+        self.telemetry.on_finished(events)  # their spans end with the error, not as "cancelled"
         await self.publish_outputs(events)
         # The incarnation stays: this master still holds its requests and resumes them itself, and takes
         # the admits that arrive meanwhile (sent before its status said not ready, or sent again).
@@ -348,6 +349,7 @@ class EngineMaster:
         while self.last_admit_sequence + 1 in self.admits_ahead:  # acknowledge only what all arrived
             self.last_admit_sequence += 1
             self.admits_ahead.discard(self.last_admit_sequence)
+        self.telemetry.on_finished(errors)
         await self.publish_outputs(errors)
         if self.ready and len(self._in_flight) < self.max_in_flight:  # the loop sends a step at once
             self._status_owed = True
@@ -390,6 +392,7 @@ class EngineMaster:
             while len(self.recent_cancels) > RECENT_CANCELS:
                 self.recent_cancels.popitem(last=False)
             return
+        self.telemetry.on_finished([event])  # its span ends with its reason (abort, stop), not "cancelled"
         await self.publish_outputs([event])
         await self.publish_status()
 
@@ -444,7 +447,6 @@ class EngineMaster:
     # ---- messages out --------------------------------------------------------------------
 
     async def publish_outputs(self, events: list[RequestOutput]) -> None:
-        self.telemetry.on_finished(events)  # an abort, a stop string's cancel, a failed step: its span says which
         by_owner: dict[str, tuple[list[RequestOutput], list[int]]] = {}
         for event in events:
             held = self.held.get(event.request_id)

@@ -310,16 +310,19 @@ def start_on_ray_serve(settings: GatewaySettings, host: str, http_port: PortRese
 
     # Serve still starts its HTTP proxy on the head node in this mode, unused; it binds with SO_REUSEPORT.
     with PortReservation(host, 0) as proxy_port:
-        # Serve's controller and proxy: their warnings only (their INFO lines, in the terminal `orca serve`
-        # forwards actor output to, name the unused proxy's port and every endpoint update)
+        # Serve's controller and proxy log to their files only: their INFO lines, in the terminal `orca serve`
+        # forwards actor output to, name the unused proxy's port and every endpoint update
         serve.start(http_options={"host": host, "port": proxy_port.port}, proxy_location="HeadOnly",
-                    controller_options={"runtime_env": {"env_vars": env}}, logging_config={"log_level": "WARNING"})
+                    controller_options={"runtime_env": {"env_vars": {**env, "RAY_SERVE_LOG_TO_STDERR": "0"}}})
         deployment = serve.deployment(serve.ingress()(RayGateway), name="orca-gateway", num_replicas=1,
                                       max_ongoing_requests=4096, graceful_shutdown_timeout_s=5,
                                       # `orca serve` has waited for the open requests itself (_stop_gateway):
                                       # Serve's default 2 s between its own checks only delays the stop
                                       graceful_shutdown_wait_loop_s=0.2,
-                                      ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": env}})
+                                      # its stderr stays its own (quiet_serve_stderr): with RAY_SERVE_LOG_TO_STDERR=0
+                                      # Serve would send the gateway's own warnings into its file too
+                                      ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {
+                                          **env, "RAY_SERVE_LOG_TO_STDERR": "1"}}})
         try:
             serve.run(deployment.bind(settings), name="orca-gateway", route_prefix="/")
         except RuntimeError:

@@ -60,6 +60,12 @@ class Prompts:
     def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
                     turn: ChatTurn = ChatTurn()) -> list[int]:
         """The messages (and the tools offered, transformers' `tools=`) through the chat template."""
+        for i, message in enumerate(messages):
+            try:
+                message_text(message).encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(400, f"messages.{i}.content is not valid Unicode: a lone surrogate at character "
+                                    f"{exc.start}", param="messages") from None
         dicts = template_messages([{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in messages])
         try:
             turn.check(dicts[-1]["role"])
@@ -155,6 +161,10 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                       constraint: StructuredOutputs | None = None) -> list[GenerateRequest]:
     """`constraint`: what every output must match (checked already: `constraints.output_constraint`)."""
     bias = logit_bias(request, vocab_size)
+    bad = next((t for t in request.stop_token_ids or () if t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
+                       param="stop_token_ids")
     out = []
     for p, prompt in enumerate(prompts):
         for j in range(request.n):
@@ -171,7 +181,8 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 priority=request.priority)
             try:
                 generate.sampling_params()
-            except ValueError as exc:
-                raise APIError(400, str(exc)) from None
+            except ValueError as exc:  # "<field>=<value> <rule>": the field is the error's param
+                field = str(exc).partition("=")[0]
+                raise APIError(400, str(exc), param=field if field in SamplingFields.model_fields else None) from None
             out.append(generate)
     return out

@@ -84,3 +84,18 @@ def test_requests_no_engine_could_ever_serve_are_named():
     q.on_status(status())
     assert "context" in q.unservable(request("a", prompt_len=64))
     assert q.unservable(request("b")) is None
+
+
+def test_a_null_max_tokens_reserves_the_context_or_the_cache_whichever_is_smaller():
+    from core.admission import reservation_blocks
+    from shared.messages import EngineStatus, TokenizedRequest
+    from shared.sampling import SamplingParams
+
+    def status(num_blocks: int) -> EngineStatus:
+        return EngineStatus(replica="0", incarnation="i", ready=True, block_size=16, num_blocks=num_blocks,
+                            admissible_blocks=num_blocks, num_running=0, num_waiting=0, max_num_seqs=4,
+                            max_model_len=1024, last_admit_sequence=0, iteration=0, kv_used_blocks=0)
+
+    request = TokenizedRequest("r", [1, 2, 3], SamplingParams(max_tokens=None), "tok", 0.0)
+    assert reservation_blocks(request, status(1000)) == 1024 // 16
+    assert reservation_blocks(request, status(32)) == 32

@@ -182,3 +182,17 @@ def test_a_pipeline_of_depth_two_splits_the_running_requests_between_two_batches
     assert s.schedule().is_empty  # everyone is in flight
     s.update(first, fake_step(first))
     assert set(scheduled_tokens(s.schedule())) == {"r0", "r1"}
+
+
+def test_a_null_max_tokens_runs_until_the_cache_is_full_where_it_holds_less_than_the_context():
+    """A cache of 8 slots under a 64-token context: null means until the cache is full (5 tokens after a
+    3-token prompt), not a refusal for wanting the whole context's KV."""
+    s = make_scheduler(num_blocks=8, block_size=1, max_model_len=64)
+    s.add_request(make_request("a", 3, None))
+    events = []
+    while s.has_unfinished:
+        out = s.schedule()
+        events += s.update(out, fake_step(out))
+    assert len(events) == 5 and events[-1].finish_reason is FinishReason.LENGTH
+    with pytest.raises(ValueError, match="the KV cache holds 8, leaving no room"):
+        s.add_request(make_request("b", 8, None))

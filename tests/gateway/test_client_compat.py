@@ -123,3 +123,24 @@ def test_skip_special_tokens_and_include_stop_str_reach_the_requests():
     assert http.post("/v1/completions", json=body).status_code == 200
     sent = client.submitted[-1]
     assert (sent.skip_special_tokens, sent.include_stop_str_in_output) == (False, True)
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_a_400():
+    http, client, _ = fake_gateway(lambda request: ["ok"])
+    response = http.post("/v1/completions", json={"prompt": "hi", "min_tokens": 1, "stop_token_ids": [10 ** 6]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop_token_ids"
+    assert client.submitted == []
+
+
+def test_min_tokens_past_the_default_max_tokens_names_both_and_its_field():
+    http, _, _ = fake_gateway(lambda request: ["ok"])
+    error = http.post("/v1/completions", json={"prompt": "hi", "min_tokens": 20}).json()["error"]
+    assert error["param"] == "min_tokens" and "exceeds max_tokens (16" in error["message"], error
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400_that_says_so():
+    http, _, _ = fake_gateway(lambda request: ["ok"])
+    response = http.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+                         headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "messages.0.content is not valid Unicode" in response.json()["error"]["message"]

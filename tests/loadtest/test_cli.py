@@ -128,7 +128,7 @@ def test_bench_takes_the_api_key_from_the_environment_as_vllm_bench_serve_does(m
 def test_redrawn_runs_keep_their_own_workload_and_stay_apart(tmp_path, capsys):
     """`--load-result a.json b.json --plot`: the subtitle names the loaded runs' workloads (not this command
     line's defaults), and runs of one label that differ in workload are two curves, not one."""
-    from loadtest.cli import _loaded_runs, plot_titles
+    from loadtest.cli import _kept_apart, _loaded_runs, plot_titles
 
     paper, short = tmp_path / "paper.json", tmp_path / "short.json"
     common = ["simulate", "--cost-model", "gpt3-175b-a100-tp8pp2", "--num-prompts", "10", "--sweep", "5",
@@ -136,10 +136,15 @@ def test_redrawn_runs_keep_their_own_workload_and_stay_apart(tmp_path, capsys):
     assert main([*common, "--save-result", str(paper)]) == 0
     assert main([*common, "--dataset", "random", "--random-input-len", "32", "--random-output-len", "8",
                  "--save-result", str(short)]) == 0
-    runs = _loaded_runs([str(paper), str(short)])
+    runs = _kept_apart(_loaded_runs([str(paper), str(short)]))
     assert [r["label"] for r in runs] == [f"orca ({r['workload']})" for r in runs] and len({r["label"] for r in runs}) == 2
     args = argparse.Namespace(dataset="orca-paper", burstiness=1.0, trace=None)
     _, subtitle = plot_titles(args, runs)
     assert "orca-paper workload" in subtitle and "random workload: input 32, output 8 tokens" in subtitle
     assert main(["bench", "--load-result", str(paper), str(short), "--latency-target", "100"]) == 0
     assert capsys.readouterr().out.count("orca (") >= 2
+    # a baseline loaded beside a run measured now stays apart too
+    assert main([*common, "--dataset", "random", "--random-input-len", "32", "--random-output-len", "8",
+                 "--load-result", str(paper), "--latency-target", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "orca (orca-paper workload" in out and "orca (random workload" in out

@@ -57,11 +57,29 @@ def test_the_sampler_variables(sampler, arg, ratio):
     assert config(**env).sampler_ratio == ratio
 
 
-@pytest.mark.parametrize("env,words", [
-    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, "http/json"),
-    ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "jaeger_remote"),
-    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "zipkin"),
+@pytest.mark.parametrize("env,field,value,words", [
+    ({"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"},
+     "otlp_protocol", "http/protobuf", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/json"),
+    ({"OTEL_TRACES_SAMPLER": "parentbased_jaeger_remote", "OTEL_TRACES_SAMPLER_ARG": "0.5"}, "sampler_ratio", 0.5,
+     "OTEL_TRACES_SAMPLER=parentbased_jaeger_remote"),
+    ({"OTEL_TRACES_EXPORTER": "zipkin"}, "exporter", "none", "zipkin"),
+    ({"OTEL_TRACES_EXPORTER": "otlp,zipkin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, "exporter", "otlp",
+     "zipkin"),
 ])
-def test_what_cannot_be_honoured_is_an_error_naming_it(env, words):
-    with pytest.raises(ValueError, match=words):
-        config(**env)
+def test_a_standard_value_this_sdk_lacks_is_a_warning_and_a_fallback_not_a_failed_start(env, field, value, words,
+                                                                                         caplog):
+    """The OTel Operator and the like set these for every container: none of them may stop a service."""
+    assert getattr(config(**env), field) == value
+    assert words in caplog.text
+
+
+@pytest.mark.parametrize("protocol,endpoint", [("grpc", "http://localhost:4317"),
+                                               ("http/protobuf", "http://localhost:4318/v1/traces")])
+def test_otlp_without_an_endpoint_goes_to_the_specifications_default(protocol, endpoint):
+    cfg = config(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_PROTOCOL=protocol)
+    assert (cfg.exporter, cfg.otlp_endpoint) == ("otlp", endpoint)
+
+
+def test_orca_s_own_exporter_setting_is_still_checked():
+    with pytest.raises(ValueError, match="traces exporter 'zipkin'"):
+        config(ORCA_TRACES_EXPORTER="zipkin")

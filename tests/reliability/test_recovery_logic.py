@@ -536,3 +536,16 @@ def test_admission_marks_the_errors_that_pass_as_worth_a_retry():
     ended = asyncio.run(go())
     assert ended["full"][:2] == (FinishReason.ERROR, True) and "full" in ended["full"][2]
     assert ended["queued"][:2] == (FinishReason.ERROR, True) and "no engine" in ended["queued"][2]
+
+
+def test_a_request_that_ends_in_its_first_iteration_still_counts_its_queue_time():
+    """The master publishes an iteration's outputs before it tells the telemetry of the iteration: ending
+    the spans there lost every request that finished at once (max_tokens=1) from the queue-time metric."""
+    async def go():
+        master, bus, _, stop, task = await running_master()
+        await admit(master, request("one", max_tokens=1), request("two", max_tokens=3))
+        await until_ended(bus, "one", "two")
+        await stopped(stop, task, master)
+        return sum(master.telemetry.snapshot().request_queue_time.counts)
+
+    assert asyncio.run(go()) == 2

@@ -55,3 +55,23 @@ def test_the_tokenizer_service_refuses_a_bias_outside_the_vocabulary_before_subm
     refused, submitted = asyncio.run(go())
     assert refused[0]["finish_reason"] == "error" and "outside the vocabulary [0, 100)" in refused[0]["error"]
     assert submitted == 1, "only the request inside the vocabulary went on"
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_refused_before_it_reaches_an_engine():
+    """With min_tokens the sampler bans the stop token ids by index: one past the vocabulary failed the whole
+    engine step, every request on it. The tokenizer service refuses the request alone."""
+    from services.tokenizer.service import TokenizerService
+    from shared import subjects
+    from tests.fake_nats import RecordingNats
+    from tests.reliability.test_recovery_shells import FakeTokenizer
+
+    async def go():
+        nc = RecordingNats()
+        service = TokenizerService(nc, FakeTokenizer(), vocab_size=100, instance="tok")
+        body = json.dumps({"id": "r", "prompt_token_ids": [1, 2], "min_tokens": 1, "stop_token_ids": [100]})
+        await service.on_generate(SimpleNamespace(data=body.encode(), reply="client.r", headers=None))
+        return [json.loads(d) for d in nc.on("client.r")], len(nc.on(subjects.ADMISSION_SUBMIT))
+
+    refused, submitted = asyncio.run(go())
+    assert "stop_token_ids token id 100 is outside the vocabulary [0, 100)" in refused[0]["error"]
+    assert submitted == 0
