@@ -257,9 +257,20 @@ async def connect_unless_stopped(url: str, name: str, stop: asyncio.Event) -> Cl
     stopped.cancel()
     if connecting.done():
         return connecting.result()
-    connecting.cancel()
-    await asyncio.gather(connecting, return_exceptions=True)
+    await abandon_connect(connecting)
     return None
+
+
+async def abandon_connect(connecting: asyncio.Future) -> None:
+    """Stop a `connect` still retrying. Cancelled again until it ends: in Python 3.11 the `wait_for` inside
+    nats.py's connect swallows a cancellation that lands as a refused attempt ends (it raises the refusal
+    instead), and nats.py, taking that for one more failed attempt, retries for ever; a waiter hung with it
+    (seen under load in a test). A connection made meanwhile is closed."""
+    while not connecting.done():
+        connecting.cancel()
+        await asyncio.wait({connecting}, timeout=0.2)
+    if not connecting.cancelled() and connecting.exception() is None:
+        await drain_quietly(connecting.result())
 
 
 async def drain_quietly(nc: Client) -> None:

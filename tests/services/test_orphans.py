@@ -146,3 +146,31 @@ def test_a_service_stopped_while_nats_does_not_answer_stops_at_once():
 
     service_s, probe_s, nc = asyncio.run(go())
     assert service_s < 2 and probe_s < 2 and nc is None
+
+
+def test_abandoning_a_connect_that_swallows_a_cancellation_still_ends():
+    """Python 3.11's wait_for, inside nats.py's connect, turns a cancellation that lands as a refused attempt
+    ends into that refusal, and nats.py retries: a single cancel then a wait hung a stopping service."""
+    import asyncio
+
+    from services.bus import abandon_connect
+
+    async def go():
+        swallowed = 0
+
+        async def connect_retrying_for_ever():
+            nonlocal swallowed
+            while True:
+                try:
+                    await asyncio.sleep(10)
+                except asyncio.CancelledError:
+                    if swallowed == 2:
+                        raise
+                    swallowed += 1  # as a refused attempt's error, and nats.py tries again
+
+        task = asyncio.ensure_future(connect_retrying_for_ever())
+        await asyncio.sleep(0)
+        await asyncio.wait_for(abandon_connect(task), 5)
+        return swallowed, task.cancelled()
+
+    assert asyncio.run(go()) == (2, True)
