@@ -59,11 +59,32 @@ def on_reconnect(nc: Bus, callback: Callable[[], None]) -> None:
     _reconnect_listeners.setdefault(nc, []).append(callback)
 
 
+def _is_refusal(exc: Exception) -> bool:
+    # nats.py raises a plain Error with the server's text while connecting, AuthorizationError once connected
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower()
+
+
+_abandoning: set[asyncio.Future] = set()
+"""Connect attempts being stopped after their caller was cancelled (held here so they are not collected)."""
+
+
+class CredentialsRefused(ConnectionError):
+    """A NATS server refused a service's credentials (or their absence) on its first connect."""
+
+
 async def connect(url: str, name: str) -> Client:
-    """Connect to the server, or one of the servers, `url` names (see the module docstring)."""
+    """Connect to the server, or one of the servers, `url` names (see the module docstring). A server
+    that does not answer is waited for; one that refuses the credentials on the first connect raises
+    CredentialsRefused (a cluster's servers share their accounts: waiting would never end). Once connected,
+    a refusal on a reconnect (a server back with other accounts) is logged and tried again, as any failed
+    reconnect is, to keep the requests in flight."""
     said: dict[str, float] = {}
+    refused: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    credentials = auth_options(url)
 
     async def on_error(exc: Exception) -> None:
+        if not refused.done() and _is_refusal(exc):
+            refused.set_result(exc)
         # a server that is not there fails every reconnect attempt (twice a second): say it once a minute
         now, text = time.monotonic(), str(exc)
         if now - said.get(text, -60.0) >= 60.0:
@@ -81,11 +102,25 @@ async def connect(url: str, name: str) -> Client:
         for callback in _reconnect_listeners.get(nc, ()):
             callback()
 
-    nc = await nats.connect(
+    connecting = asyncio.ensure_future(nats.connect(
         servers=server_urls(url), name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=5,
         error_cb=on_error, disconnected_cb=on_disconnect, reconnected_cb=reconnected,
-        pending_size=64 * 1024 * 1024, **auth_options(url),
-    )
+        pending_size=64 * 1024 * 1024, **credentials,
+    ))
+    try:
+        await asyncio.wait({connecting, refused}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the caller gave up: finish stopping nats.py's attempts on our own
+        _abandoning.add(task := asyncio.ensure_future(abandon_connect(connecting)))
+        task.add_done_callback(_abandoning.discard)
+        raise
+    if not connecting.done():
+        await abandon_connect(connecting)
+        what = "refused the credentials of" if credentials else "wants credentials from"
+        raise CredentialsRefused(
+            f"NATS at {redact_url(url)} {what} {name} ({refused.result()}): give the user and password, or a "
+            "token, in the URL (nats://user:password@host:port) or as ORCA_NATS_USER / ORCA_NATS_PASSWORD")
+    refused.cancel()  # from here on a refusal is one more failed reconnect
+    nc = connecting.result()
     return nc
 
 
@@ -234,7 +269,10 @@ async def run_service(name: str, url: str, start: Callable[[Client], Awaitable[C
     tasks), wait for a stop signal, then stop those tasks and drain. A stop signal while NATS does not
     answer yet ends it at once (connecting waits for the server for ever)."""
     stop = stop or stop_event_on_signals()
-    nc = await connect_unless_stopped(url, name, stop)
+    try:
+        nc = await connect_unless_stopped(url, name, stop)
+    except CredentialsRefused as exc:
+        raise SystemExit(str(exc)) from None  # one line and status 1: no retry can fix it
     if nc is None:
         log.info("%s: stopped before NATS at %s answered", name, redact_url(url))
         return

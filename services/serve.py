@@ -219,7 +219,7 @@ def check_ray_address_answers(address: str | None, timeout_s: float = 5.0) -> No
 async def _connect_until(nats_url: str, deadline: float, timeout_s: float, stopping: Callable[[], bool]):
     """The probe's NATS connection; None if `stopping()` first. A server that does not answer is waited
     for (it may be starting beside this one) until the deadline, saying so once."""
-    from services.bus import abandon_connect, connect, redact_url
+    from services.bus import CredentialsRefused, abandon_connect, connect, redact_url
 
     started, said = time.monotonic(), False
     connecting = asyncio.ensure_future(connect(nats_url, "orca-serve-probe"))
@@ -235,6 +235,8 @@ async def _connect_until(nats_url: str, deadline: float, timeout_s: float, stopp
                 said = True
             await asyncio.wait({connecting}, timeout=0.25)
         return connecting.result()
+    except CredentialsRefused as exc:
+        raise ValueError(str(exc)) from None
     finally:
         if not connecting.done():
             await abandon_connect(connecting)

@@ -364,3 +364,50 @@ def test_service_logs_do_not_show_the_password(server):
     output = "".join(lines)
     assert "ready on nats://admission:***@127.0.0.1" in output, output[-2000:]
     assert password not in output
+
+
+@pytest.mark.parametrize("service", ["admission", "tokenizer", "jobs"])
+@pytest.mark.parametrize("wrong", ["password", "none"])
+def test_a_service_given_wrong_or_no_credentials_says_so_and_exits_at_once(server, demo_model, service, wrong):
+    """Refused credentials never start working: one line naming the fix and status 1, not a retry for ever
+    (compose and Kubernetes restart the container and show the line again)."""
+    password = PASSWORDS[service]
+    url = server.url_for(service, "not-the-password") if wrong == "password" else server.url
+    args = ["--model", demo_model] if service == "tokenizer" else []
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ORCA_NATS")}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", f"services.{service}", "--nats-url", url, *args], cwd=ROOT,
+                          env=environ, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    what = "refused the credentials of" if wrong == "password" else "wants credentials from"
+    assert last.startswith(f"NATS at {server.url.split('//')[0]}//") and what in last, done.stderr[-2000:]
+    assert "ORCA_NATS_USER" in last and "Traceback" not in done.stderr
+    assert password not in done.stderr and "not-the-password" not in done.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_a_refusal_after_the_first_connect_is_one_more_reconnect_to_wait_through(server):
+    """Only the first connect gives up: a connected service whose server comes back refusing it (accounts
+    being changed) keeps its requests and tries again, as it does for a server that is away."""
+    from services.bus import CredentialsRefused, connect
+
+    async def run() -> None:
+        nc = await connect(server.url_for("engine", PASSWORDS["engine"]), "orca-test")
+        assert nc.is_connected
+        await nc._error_cb(nats.errors.AuthorizationError())  # what nats.py reports on a refused reconnect
+        assert nc.is_connected
+        await nc.close()
+        with pytest.raises(CredentialsRefused):
+            await connect(server.url_for("engine", "not-the-password"), "orca-test")
+    asyncio.run(run())
+
+
+def test_orca_serve_with_refused_credentials_is_one_line(server):
+    from services.serve import _connect_until
+
+    async def run() -> None:
+        await _connect_until(server.url_for("engine", "not-the-password"), time.monotonic() + 30, 30,
+                             lambda: False)
+    with pytest.raises(ValueError, match="refused the credentials of orca-serve-probe"):
+        asyncio.run(run())
