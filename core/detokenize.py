@@ -34,6 +34,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self._emitted = 0
         self.stopped = False
+        self.stop_reason: str | int | None = None
+        """What ended the request, as vLLM's `stop_reason`: the stop string that matched, or the stop token
+        id it ended on; None for anything else (EOS, the length, an abort)."""
 
     @classmethod
     def of(cls, decode: Callable[..., str], params: SamplingParams) -> IncrementalDetokenizer:
@@ -83,11 +86,14 @@ class IncrementalDetokenizer:
         that ended on one of its stop token ids keeps that token (in its ids, its usage) but not its text,
         as vLLM leaves it out; a stop string's text is left out likewise."""
         decoded = token_ids
-        if engine_stopped and token_ids and token_ids[-1] in self._stop_token_ids and not self._include_stop:
+        on_stop_token = engine_stopped and bool(token_ids) and token_ids[-1] in self._stop_token_ids
+        if on_stop_token and not self._include_stop:
             decoded = token_ids[:-1]
         text, taken = self.add_until_stop(decoded) if decoded else ("", 0)
         if taken == len(decoded) and not self.stopped:
             taken = len(token_ids)
+            if on_stop_token:
+                self.stop_reason = token_ids[-1]
         return text, taken
 
     def flush(self) -> str:
@@ -109,9 +115,9 @@ class IncrementalDetokenizer:
         search_from = max(0, len(self.text) - longest + 1)
         self.text += delta
         stops = self._stop if len(self._tokens) >= self._min_tokens else ()
-        matches = [(at, -len(s)) for s in stops if (at := self.text.find(s, search_from)) >= 0]
+        matches = [(at, -len(s), s) for s in stops if (at := self.text.find(s, search_from)) >= 0]
         if matches:
-            at, minus_len = min(matches)  # the first match; of two there, the longer
+            at, minus_len, self.stop_reason = min(matches)  # the first match; of two there, the longer
             self.text = self.text[:at - minus_len if self._include_stop else at]
             self.stopped = True
         # Hold back a tail that could be the start of a stop string still being generated.

@@ -33,6 +33,8 @@ def completion_record(c: Completion, request: GenerateRequest | None = None) -> 
         "id": c.request_id, "prompt_token_ids": c.prompt_token_ids, "token_ids": c.token_ids,
         "text": c.text, "finish_reason": c.finish_reason.label if c.finish_reason is not None else None,
     }
+    if c.stop_reason is not None:
+        record["stop_reason"] = c.stop_reason
     if request is not None and request.tools and c.finish_reason != FinishReason.ERROR:
         _, calls = parse_tool_calls(c.text, request.tools, request.tool_choice, request.parallel_tool_calls)
         if calls:

@@ -37,6 +37,8 @@ class Completion:
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it (vLLM's `stop_reason`); None for any other end."""
     error: str | None = None
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
@@ -203,6 +205,8 @@ class LLMEngine:
             completion.text = detok.text if reason is not None else completion.text + new_text
         if reason is not None:
             completion.finish_reason, completion.error = reason, event.error
+            if reason is FinishReason.STOP and detok is not None:
+                completion.stop_reason = detok.stop_reason
             completion.finished_time = now
             self.completions.pop(event.request_id)
             self._detokenizers.pop(event.request_id, None)

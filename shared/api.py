@@ -176,6 +176,9 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """On the final event of a request with tools, when the model called any: parsed from the whole
     output (the events' `text`, joined, is that output as the model wrote it)."""
     seq: int = 0
+    stop_reason: str | int | None = None
+    """On the final event of a request that one of its stop strings (that string) or stop token ids (that
+    id) ended; absent for any other end, EOS included (vLLM's `stop_reason`)."""
     retry: bool = False
     """On an error event: the request was not served for a reason that passes (no tokenizer or engine
     for a while, the admission queue full, the instance shutting down): send it again later. A job goes

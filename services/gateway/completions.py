@@ -88,7 +88,7 @@ class Call:
             lp = completion_logprobs(logprobs, self.state.token_text, choice.token_text_len)
             choice.token_text_len = lp["text_offset"][-1] + len(lp["tokens"][-1])
         return [self._with_usage(completion_chunk(self.public_id, self.created, self.model, index, text,
-                                                  event.finish_reason, lp))]
+                                                  event.finish_reason, lp, event.stop_reason))]
 
     def _chat_chunks(self, index: int, event: Event, first: bool, logprobs: list | None) -> list[dict]:
         out = [{"role": "assistant", "content": ""}] if first else []
@@ -106,7 +106,8 @@ class Call:
         if finish_reason is not None:
             if self.tool_streams is not None and self.tool_streams[index].called:
                 finish_reason = tool_calls_finish(finish_reason)
-            chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, finish_reason))
+            chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, finish_reason,
+                                     stop_reason=event.stop_reason))
         return [self._with_usage(c) for c in chunks]
 
     def _tool_deltas(self, index: int, event: Event, logprobs: list | None) -> tuple[list[dict], list | None]:

@@ -347,6 +347,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
 
 
 class CompletionResponse(BaseModel):
@@ -392,6 +394,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -429,6 +433,8 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
 
 
 class ChatCompletionChunk(BaseModel):

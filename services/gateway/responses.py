@@ -28,6 +28,7 @@ class Choice:
     `text_offset` starts (the text sent may lag behind, held back for a stop string or a character)."""
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[Any] = field(default_factory=list)
     started: bool = False
@@ -39,7 +40,7 @@ class Choice:
         if event.logprobs:
             self.logprobs.extend(event.logprobs)
         if event.finish_reason is not None:
-            self.finish_reason, self.error = event.finish_reason, event.error
+            self.finish_reason, self.error, self.stop_reason = event.finish_reason, event.error, event.stop_reason
             if event.usage is not None:
                 self.num_tokens = event.usage.completion_tokens
 
@@ -56,7 +57,7 @@ def completion_response(public_id: str, created: int, model: str, choices: list[
         "id": public_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": i, "text": (echo[i] if echo else "") + "".join(c.text),
                      "logprobs": completion_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
-                     "finish_reason": c.finish_reason} for i, c in enumerate(choices)],
+                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
         "usage": usage(prompt_lens, choices),
     }
 
@@ -70,7 +71,7 @@ def chat_response(public_id: str, created: int, model: str, choices: list[Choice
         out.append({"index": i, "message": message,
                     "logprobs": chat_logprobs(c.logprobs, token_text, token_bytes) if want_logprobs and c.logprobs
                     else None,
-                    "finish_reason": finish_reason})
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {"id": public_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(prompt_lens, choices)}
 
@@ -93,15 +94,17 @@ def tool_calls_finish(finish_reason: str | None) -> str | None:
 
 
 def completion_chunk(public_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, stop_reason: str | int | None = None) -> dict:
     return {"id": public_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
 
 
 def chat_chunk(public_id: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, stop_reason: str | int | None = None) -> dict:
     return {"id": public_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
 
 
 def sse(payload: dict) -> bytes:

@@ -63,8 +63,8 @@ MAX_REPLICAS = 5
 
 class JobResult(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """Same shape as an `orca generate` output line (engine/batch_job.py): a generation's result has the
-    fields of `completion_record`, in its order (`tool_calls`, `logprobs` and `error` only when there are
-    any); a job refused before generating (malformed, or an id that cannot name a subject) has those of
+    fields of `completion_record`, in its order (`stop_reason`, `tool_calls`, `logprobs` and `error` only
+    when there are any); a job refused before generating (malformed, or an id that cannot name a subject) has those of
     `error_record`: id, finish_reason and error."""
 
     id: str
@@ -72,6 +72,8 @@ class JobResult(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     token_ids: list[int] | UnsetType = UNSET
     text: str | UnsetType = UNSET
     finish_reason: str
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it, when one did (vLLM's `stop_reason`)."""
     tool_calls: list[ToolCall] | None = None
     """The final event's: a request with tools whose model called any."""
     logprobs: list[EventLogprob] | None = None
@@ -334,7 +336,7 @@ def job_result(job_id: str, events: list[dict], metrics: dict[str, float | None]
     tool_calls = final.get("tool_calls") or None
     return JobResult(
         id=job_id, prompt_token_ids=final.get("prompt_token_ids") or [], token_ids=tokens, text=text,
-        finish_reason=final["finish_reason"],
+        finish_reason=final["finish_reason"], stop_reason=final.get("stop_reason"),
         tool_calls=msgspec.convert(tool_calls, list[ToolCall]) if tool_calls else None,
         logprobs=msgspec.convert(token_logprobs, list[EventLogprob]) if logprobs or token_logprobs else None,
         error=final.get("error"), metrics=metrics)

@@ -262,6 +262,7 @@ class TokenizerService:
             error=taken.error, usage=Usage(len(state.prompt_token_ids), state.num_generated),
             # not on an error: the prompt may be what was wrong (millions of ids, past NATS's max_payload)
             prompt_token_ids=None if failed else state.prompt_token_ids, logprobs=logprobs, tool_calls=tool_calls,
+            stop_reason=state.detokenizer.stop_reason if taken.reason is FinishReason.STOP else None,
             retry=taken.retry))
 
     def _take(self, state: ActiveRequest, outputs: list[RequestOutput]) -> Taken:

@@ -122,3 +122,22 @@ def test_include_stop_keeps_the_stop_string_or_the_stop_tokens_text():
     assert detok.add(list(b"hello STOP world")) + detok.flush() == "hello STOP"
     detok = IncrementalDetokenizer(byte_decode, stop_token_ids=[ord("$")], include_stop=True)
     assert detok.add_output(list(b"a$"), engine_stopped=True) == ("a$", 2)
+
+
+def test_stop_reason_names_the_stop_string_or_the_stop_token_id_that_ended_it():
+    """vLLM's stop_reason: the string that matched (of two at one place, the longer), or the id; None otherwise."""
+    detok = IncrementalDetokenizer(byte_decode, stop=("ST", "STOP", "end"))
+    detok.add(list(b"say STOP now, end"))
+    assert detok.stop_reason == "STOP"
+    detok = IncrementalDetokenizer(byte_decode, stop=("zz",), stop_token_ids=[ord("$"), ord("#")])
+    detok.add_output(list(b"a$b"), engine_stopped=False)
+    assert detok.stop_reason is None, "a stop token that did not end the request"
+    detok.add_output(list(b"c#"), engine_stopped=True)
+    assert detok.stop_reason == ord("#")
+    for stopped, last in ((True, "x"), (False, "$")):  # EOS (or a grammar's end), or max_tokens
+        detok = IncrementalDetokenizer(byte_decode, stop=("zz",), stop_token_ids=[ord("$")])
+        detok.add_output(list(f"a{last}".encode()), engine_stopped=stopped)
+        assert detok.stop_reason is None
+    detok = IncrementalDetokenizer(byte_decode, stop=("ab",), stop_token_ids=[ord("$")])
+    detok.add_output(list(b"xab$"), engine_stopped=True)
+    assert detok.stop_reason == "ab", "the stop string came first"

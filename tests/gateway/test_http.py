@@ -180,8 +180,26 @@ def test_echo_and_stop(http):
     assert out["choices"][0]["text"].startswith("def main():")
     full = http.post(C, json=completion(max_tokens=30, temperature=0)).json()["choices"][0]["text"]
     stop = full[10:13]
-    cut = http.post(C, json=completion(max_tokens=30, temperature=0, stop=stop)).json()["choices"][0]
+    cut = http.post(C, json=completion(max_tokens=30, temperature=0, stop=["\u2603", stop])).json()["choices"][0]
     assert cut["finish_reason"] == "stop" and cut["text"] == full[:full.index(stop)]
+    assert cut["stop_reason"] == stop, "vLLM's stop_reason: the stop string that ended it"
+
+
+def test_stop_reason_is_the_stop_string_or_token_id_and_null_otherwise(http):
+    forced = completion(prompt=[1, 2, 3], max_tokens=5, temperature=0, logit_bias={"42": 100})
+    ended = http.post(C, json={**forced, "stop_token_ids": [7, 42]}).json()["choices"][0]
+    assert (ended["finish_reason"], ended["stop_reason"]) == ("stop", 42)
+    assert http.post(C, json=forced).json()["choices"][0]["stop_reason"] is None, "ended by its length"
+    streamed = sse_events(http.post(C, json={**forced, "stop_token_ids": [42], "stream": True}).content)
+    last = [e for e in streamed if isinstance(e, dict)][-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("stop", 42)
+    full = http.post(CH, json=chat(max_tokens=30, temperature=0)).json()["choices"][0]["message"]["content"]
+    stop = full[4:7]
+    cut = http.post(CH, json=chat(max_tokens=30, temperature=0, stop=stop)).json()["choices"][0]
+    assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop)
+    streamed = sse_events(http.post(CH, json=chat(max_tokens=30, temperature=0, stop=stop, stream=True)).content)
+    chunks = [e for e in streamed if isinstance(e, dict) and e["choices"]]
+    assert (chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["choices"][0]["stop_reason"]) == ("stop", stop)
 
 
 def test_health_metrics_models(http):

@@ -61,6 +61,7 @@ def test_the_output_ends_at_the_token_that_completes_the_stop_string(demo_model,
     assert done["a"].text == before
     assert done["a"].token_ids == tokens, "no token generated past the stop is the request's"
     assert done["b"].finish_reason is FinishReason.LENGTH and len(done["b"].token_ids) == 30
+    assert (done["a"].stop_reason, done["b"].stop_reason) == (stop, None)
 
 
 @pytest.mark.parametrize("policy", ["orca", "static"])
@@ -80,6 +81,7 @@ def test_a_stop_token_ends_the_request_without_its_text(demo_model, stop):
     done = run(demo_model, "orca", {"a": msgspec.structs.replace(forced, stop_token_ids=(42,)), "b": forced})
     assert (done["a"].token_ids, done["a"].text, done["a"].finish_reason) == ([42], "", FinishReason.STOP)
     assert done["b"].token_ids == [42] * 5 and done["b"].text == tokenizer.decode([42] * 5) != ""
+    assert (done["a"].stop_reason, done["b"].stop_reason) == (42, None)
 
 
 def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(demo_model):

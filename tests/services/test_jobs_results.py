@@ -21,9 +21,10 @@ from shared import subjects
 from tests.services.test_jobs_logic import Delivery, FakeNats
 
 NO_TOKENIZER = "no tokenizer service listened (NATS: no responders)"
-ORCA_GENERATE_FIELDS = ["id", "prompt_token_ids", "token_ids", "text", "finish_reason", "tool_calls", "logprobs",
-                        "metrics"]
-"""engine/batch_job.py `completion_record`'s keys, in its order, for a request with tools and logprobs."""
+ORCA_GENERATE_FIELDS = ["id", "prompt_token_ids", "token_ids", "text", "finish_reason", "stop_reason", "tool_calls",
+                        "logprobs", "metrics"]
+"""engine/batch_job.py `completion_record`'s keys, in its order, for a request with tools and logprobs that a
+stop string ended."""
 
 
 def logprob(token_id: int, value: float) -> dict:
@@ -36,7 +37,7 @@ STREAM = [  # (seconds before it, event): a stream with logprobs and, on its fin
     (0.03, {"id": "x", "token_ids": [5], "text": "a", "finish_reason": None, "logprobs": [logprob(5, -0.5)],
             "seq": 1}),
     (0.03, {"id": "x", "token_ids": [6], "text": "b", "finish_reason": "stop", "logprobs": [logprob(6, -1.5)],
-            "tool_calls": [CALL], "usage": {"prompt_tokens": 2, "completion_tokens": 2},
+            "stop_reason": "b", "tool_calls": [CALL], "usage": {"prompt_tokens": 2, "completion_tokens": 2},
             "prompt_token_ids": [1, 2], "seq": 2}),
 ]
 
