@@ -7,6 +7,7 @@ restarted (services/engine/launch.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -19,6 +20,18 @@ from services.logs import setup_logging
 from shared.flags import serve_config_from_args
 
 
+async def nats_answers(url: str) -> bool:
+    """Wait for NATS, as every service does (False: a signal came first); CredentialsRefused when it refuses
+    them, which would fail every start of the master after it."""
+    from services.bus import connect_unless_stopped, drain_quietly, stop_event_on_signals
+
+    nc = await connect_unless_stopped(url, "orca-engine-probe", stop_event_on_signals())
+    if nc is None:
+        return False
+    await drain_quietly(nc)
+    return True
+
+
 def main() -> int:
     parser = replica_parser("python -m services.engine")
     args = parser.parse_args()
@@ -27,6 +40,15 @@ def main() -> int:
         settings = serve_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+
+    from services.bus import CredentialsRefused, redact_url
+
+    try:
+        if not asyncio.run(nats_answers(args.nats_url)):
+            return 0
+    except CredentialsRefused as exc:
+        print(exc, file=sys.stderr)
+        return 1
 
     import ray
 
@@ -38,7 +60,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.update(now=True))
     master = launch_master(config, args.nats_url, args.replica, WorkerLaunch.of(settings))
     supervisor = MasterSupervisor(args.replica, master, hang_timeout_s=settings.hang_timeout).start(time.monotonic())
-    print(f"engine replica {args.replica} starting on {args.nats_url}", file=sys.stderr, flush=True)
+    print(f"engine replica {args.replica} starting on {redact_url(args.nats_url)}", file=sys.stderr, flush=True)
     alive = Path(args.alive_file) if args.alive_file else None
     while not stop["now"]:
         supervisor.check(time.monotonic())  # restarts a master that died or hangs

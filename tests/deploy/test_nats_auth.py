@@ -366,14 +366,14 @@ def test_service_logs_do_not_show_the_password(server):
     assert password not in output
 
 
-@pytest.mark.parametrize("service", ["admission", "tokenizer", "jobs"])
+@pytest.mark.parametrize("service", ["admission", "tokenizer", "jobs", "engine"])
 @pytest.mark.parametrize("wrong", ["password", "none"])
 def test_a_service_given_wrong_or_no_credentials_says_so_and_exits_at_once(server, demo_model, service, wrong):
     """Refused credentials never start working: one line naming the fix and status 1, not a retry for ever
     (compose and Kubernetes restart the container and show the line again)."""
     password = PASSWORDS[service]
     url = server.url_for(service, "not-the-password") if wrong == "password" else server.url
-    args = ["--model", demo_model] if service == "tokenizer" else []
+    args = ["--model", demo_model] if service in ("tokenizer", "engine") else []  # the engine: before Ray starts
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ORCA_NATS")}
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", f"services.{service}", "--nats-url", url, *args], cwd=ROOT,
