@@ -63,7 +63,9 @@ class NatsTarget:
             self._nc = await nats.connect(self.nats_url, name="orca-bench", pending_size=256 * 1024 * 1024,
                                           error_cb=one_line, max_reconnect_attempts=4, reconnect_time_wait=0.5)
         except Exception as exc:  # noqa: BLE001 - nothing to measure: one line for the CLI, not a traceback
-            raise ValueError(f"cannot connect to NATS at {self.nats_url}: {exc}") from None
+            from services.bus import redact_url
+
+            raise ValueError(f"cannot connect to NATS at {redact_url(self.nats_url)}: {exc}") from None
         self._inbox = self._nc.new_inbox()
         await self._nc.subscribe(self._inbox + ".*", cb=self._on_event)
         return self

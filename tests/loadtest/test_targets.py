@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 
 import pytest
@@ -125,14 +126,16 @@ def test_a_warm_up_that_cannot_reach_its_server_is_one_clear_error():
 def test_a_nats_server_that_is_not_there_is_one_clear_error(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        url = f"nats://127.0.0.1:{s.getsockname()[1]}"  # free once closed: nobody listens there
+        port = s.getsockname()[1]  # free once closed: nobody listens there
 
     async def main():
-        async with NatsTarget(url):
+        async with NatsTarget(f"nats://bench:secret@127.0.0.1:{port}"):
             pass
 
-    with pytest.raises(ValueError, match=f"cannot connect to NATS at {url}"):
+    redacted = re.escape(f"nats://bench:***@127.0.0.1:{port}")
+    with pytest.raises(ValueError, match=f"cannot connect to NATS at {redacted}") as raised:
         asyncio.run(main())
+    assert "secret" not in str(raised.value)
     assert "Traceback" not in capsys.readouterr().err
 
 
