@@ -116,6 +116,10 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0
+        """With prefix caching: tokens of the requests admitted to run (a resumed one again), and of those
+        the tokens found cached (vLLM's prefix_cache_queries and _hits, counted once per admission)."""
+        self.prefix_hit_tokens = 0
         self._iteration = 0
         self._arrivals = 0
         self._admissions = 0
@@ -380,11 +384,15 @@ class Scheduler:
 
     def _reserve(self, request: Request) -> bool:
         kv = self.kv_cache
-        request.num_computed_tokens = kv.share_cached_prefix(request.request_id, self._all_tokens(request))
+        tokens = self._all_tokens(request)
+        request.num_computed_tokens = kv.share_cached_prefix(request.request_id, tokens)
         if kv.allocate(request.request_id, self.policy.reservation(request, self.max_model_len)) is None:
             kv.free(request.request_id)  # give back the shared prefix too
             request.num_computed_tokens = 0
             return False
+        if kv.enable_prefix_caching:
+            self.prefix_queried_tokens += len(tokens)
+            self.prefix_hit_tokens += request.num_computed_tokens
         return True
 
     def _grow(self, request: Request, num_new: int, pending: list[Request],

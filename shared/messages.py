@@ -194,6 +194,10 @@ class HistogramData(msgspec.Struct, frozen=True, array_like=True, gc=False):
     sum: float
 
 
+NO_SAMPLES = HistogramData([], 0.0)
+"""The default of a histogram a snapshot from an older version lacks (the gateway skips it when adding up)."""
+
+
 class TokenizerMetrics(msgspec.Struct, frozen=True, tag="tokenizer"):
     """Per request, measured where requests arrive and end (the tokenizer sees both)."""
 
@@ -207,6 +211,11 @@ class TokenizerMetrics(msgspec.Struct, frozen=True, tag="tokenizer"):
     e2e_request_latency: HistogramData
     num_active: int
     """Requests this instance accepted that have not ended."""
+    request_prompt_tokens: HistogramData = NO_SAMPLES
+    """Per request that ended after its first token (vLLM's request-level histograms)."""
+    request_generation_tokens: HistogramData = NO_SAMPLES
+    request_max_tokens: HistogramData = NO_SAMPLES
+    """The max_tokens a request asked for (none when it set none)."""
 
 
 class AdmissionMetrics(msgspec.Struct, frozen=True, tag="admission"):
@@ -239,6 +248,18 @@ class EngineMetrics(msgspec.Struct, frozen=True, tag="engine"):
     request_queue_time: HistogramData
     iteration_tokens: HistogramData
     batch_size: HistogramData
+    request_prefill_time: HistogramData = NO_SAMPLES
+    """First scheduled to first token, per request that ended here after its first token (vLLM's phases)."""
+    request_decode_time: HistogramData = NO_SAMPLES
+    """First token to last token."""
+    request_inference_time: HistogramData = NO_SAMPLES
+    """First scheduled to last token."""
+    request_time_per_output_token: HistogramData = NO_SAMPLES
+    """Decode time over the tokens after the first."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (with prefix caching on)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""
 
 
 MetricsSnapshot = TokenizerMetrics | AdmissionMetrics | EngineMetrics

@@ -49,6 +49,9 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
+"""1, 2, 5, 10, ... 5,000,000: vLLM's 1-2-5 series (vLLM stops it at the model's length; one fixed list
+here, so every process's counts add up)."""
 
 
 class TelemetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

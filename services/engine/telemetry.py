@@ -26,9 +26,9 @@ from core.batch import SchedulerOutput, StepResult
 from core.scheduler import Scheduler
 from shared.messages import EngineMetrics, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
-from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, LATENCY_BUCKETS, Histogram,
-                              SnapshotPublisher, TelemetryConfig, context_from_traceparent, get_tracer,
-                              new_source_id, setup_tracing, span_context_of)
+from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
+                              Histogram, SnapshotPublisher, TelemetryConfig, context_from_traceparent,
+                              get_tracer, new_source_id, setup_tracing, span_context_of)
 
 
 @dataclass
@@ -38,8 +38,12 @@ class TrackedRequest:
     link: Link | None
     """To the request's own span, for the iteration spans that serve it."""
     span: Span | None
-    scheduled: bool = False
-    first_token: bool = False
+    scheduled_ns: int | None = None
+    """When its first iteration here started (Unix ns); then when its first and its last token came."""
+    first_token_ns: int | None = None
+    last_token_ns: int | None = None
+    num_generated: int = 0
+    """Tokens it made here."""
 
 
 class EngineTelemetry:
@@ -58,6 +62,10 @@ class EngineTelemetry:
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.batch_size = Histogram(BATCH_SIZE_BUCKETS)
+        self.prefill_time = Histogram(LATENCY_BUCKETS)
+        self.decode_time = Histogram(LATENCY_BUCKETS)
+        self.inference_time = Histogram(LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(ITL_BUCKETS)
         self.publisher = SnapshotPublisher(nc, self.snapshot, config.metrics_interval_s) if nc is not None else None
         self._start_publisher()  # now if built inside the event loop (the master is), else at the first hook
 
@@ -88,7 +96,6 @@ class EngineTelemetry:
         self.iterations += 1
         self.iteration_tokens.observe(output.num_tokens)
         self.batch_size.observe(len(output.scheduled))
-        sampled = result.output.sampled_token_ids if result.output is not None else {}
         links: list[Link] = []
         for item in output.scheduled:
             tracked = self.requests.get(item.request_id)
@@ -96,15 +103,21 @@ class EngineTelemetry:
                 continue
             if tracked.link is not None:
                 links.append(tracked.link)
-            if not tracked.scheduled:
-                tracked.scheduled = True
+            if tracked.scheduled_ns is None:
+                tracked.scheduled_ns = start_ns
                 self.queue_time.observe(max(0.0, start_ns / 1e9 - tracked.arrival_time))
                 if tracked.span is not None:
                     tracked.span.add_event("scheduled", timestamp=start_ns)
-            if not tracked.first_token and item.request_id in sampled:
-                tracked.first_token = True
+        for event in events:
+            tracked = self.requests.get(event.request_id)
+            if tracked is None or not event.new_token_ids:
+                continue
+            if tracked.first_token_ns is None:
+                tracked.first_token_ns = end_ns
                 if tracked.span is not None:
                     tracked.span.add_event("first_token", timestamp=end_ns)
+            tracked.last_token_ns = end_ns
+            tracked.num_generated += len(event.new_token_ids)
         if self.tracing:
             self._iteration_span(output, result, links, start_ns, end_ns)
         self._end_finished(events, end_ns)
@@ -155,6 +168,8 @@ class EngineTelemetry:
 
     def _end(self, request_id: str, reason: str, end_ns: int, error: str | None = None) -> None:
         tracked = self.requests.pop(request_id, None)
+        if tracked is not None and reason != "cancelled":
+            self._observe_phases(tracked)
         if tracked is not None and tracked.span is not None:
             tracked.span.set_attribute("orca.finish_reason", reason)
             if reason == FinishReason.ERROR.label:
@@ -162,6 +177,20 @@ class EngineTelemetry:
             tracked.span.end(end_time=end_ns)
 
     # ---- metrics ----------------------------------------------------------------------------------
+
+    def _observe_phases(self, tracked: TrackedRequest) -> None:
+        """vLLM's request phases, for a request that ended here (not one moved away or cancelled) after
+        its first token: prefill (first scheduled to first token), decode (to the last token), inference
+        (both), and the decode time per token after the first."""
+        if tracked.scheduled_ns is None or tracked.first_token_ns is None or tracked.last_token_ns is None:
+            return
+        prefill = (tracked.first_token_ns - tracked.scheduled_ns) / 1e9
+        decode = (tracked.last_token_ns - tracked.first_token_ns) / 1e9
+        self.prefill_time.observe(prefill)
+        self.decode_time.observe(decode)
+        self.inference_time.observe(prefill + decode)
+        if tracked.num_generated > 1:
+            self.time_per_output_token.observe(decode / (tracked.num_generated - 1))
 
     def _slots(self) -> tuple[int, int]:
         """(slots holding computed tokens, slots in the blocks running requests hold)."""
@@ -180,7 +209,10 @@ class EngineTelemetry:
             block_size=kv.block_size, kv_used_blocks=kv.num_used_blocks, kv_reserved_slots=reserved_slots,
             kv_used_slots=used_slots, num_preemptions=s.num_preemptions, iterations=self.iterations,
             request_queue_time=self.queue_time.data(), iteration_tokens=self.iteration_tokens.data(),
-            batch_size=self.batch_size.data(),
+            batch_size=self.batch_size.data(), request_prefill_time=self.prefill_time.data(),
+            request_decode_time=self.decode_time.data(), request_inference_time=self.inference_time.data(),
+            request_time_per_output_token=self.time_per_output_token.data(),
+            prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
         )
 
     def _start_publisher(self) -> None:

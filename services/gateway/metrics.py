@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from shared.messages import AdmissionMetrics, EngineMetrics, HistogramData, MetricsSnapshot, TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
-                              TTFT_BUCKETS, TelemetryConfig)
+                              TOKEN_COUNT_BUCKETS, TTFT_BUCKETS, TelemetryConfig)
 
 if TYPE_CHECKING:
     from services.gateway.state import GatewayState
@@ -147,6 +147,12 @@ class SystemCollector(Collector):
             ("vllm:inter_token_latency_seconds", "Time between a request's tokens.", ITL_BUCKETS,
              "inter_token_latency"),
             ("vllm:e2e_request_latency_seconds", "Arrival to final event.", LATENCY_BUCKETS, "e2e_request_latency"),
+            ("vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS,
+             "request_prompt_tokens"),
+            ("vllm:request_generation_tokens", "Generated tokens per finished request.", TOKEN_COUNT_BUCKETS,
+             "request_generation_tokens"),
+            ("vllm:request_params_max_tokens", "The max_tokens of finished requests that gave one.",
+             TOKEN_COUNT_BUCKETS, "request_max_tokens"),
         ):
             yield _histogram(name, text, bounds, labels, {(self.model,): [getattr(t, field) for t in tokenizers]})
         active = GaugeMetricFamily("orca:num_requests_active", "Requests accepted by tokenizers and not yet ended.",
@@ -160,14 +166,19 @@ class SystemCollector(Collector):
         by_replica: dict[tuple[str, ...], list[EngineMetrics]] = {}
         for e in engines:
             by_replica.setdefault((self.model, e.replica), []).append(e)
-        preemptions = CounterMetricFamily("vllm:num_preemptions", "Requests preempted (sent back to wait).",
-                                          labels=labels)
-        iterations = CounterMetricFamily("orca:iterations", "Iterations run.", labels=labels)
-        for key, snapshots in sorted(by_replica.items()):
-            preemptions.add_metric(list(key), sum(e.num_preemptions for e in snapshots))
-            iterations.add_metric(list(key), sum(e.iterations for e in snapshots))
-        yield preemptions
-        yield iterations
+        counters = [
+            (CounterMetricFamily("vllm:num_preemptions", "Requests preempted (sent back to wait).", labels=labels),
+             "num_preemptions"),
+            (CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, "
+                                 "once per admission to run.", labels=labels), "prefix_cache_queries"),
+            (CounterMetricFamily("vllm:prefix_cache_hits", "Of those, tokens found in the prefix cache.",
+                                 labels=labels), "prefix_cache_hits"),
+            (CounterMetricFamily("orca:iterations", "Iterations run.", labels=labels), "iterations"),
+        ]
+        for family, field in counters:
+            for key, snapshots in sorted(by_replica.items()):
+                family.add_metric(list(key), sum(getattr(e, field) for e in snapshots))
+            yield family
         for name, text, bounds, field in (
             ("vllm:request_queue_time_seconds", "Arrival (tokenizer) to first scheduled in an engine: "
                                                 "admission queue plus engine queue.", LATENCY_BUCKETS,
@@ -175,6 +186,15 @@ class SystemCollector(Collector):
             ("vllm:iteration_tokens_total", "Tokens per iteration (prefill and decode).", ITERATION_TOKEN_BUCKETS,
              "iteration_tokens"),
             ("orca:batch_size", "Requests per iteration.", BATCH_SIZE_BUCKETS, "batch_size"),
+            ("vllm:request_prefill_time_seconds", "First scheduled to first token, per request that ended in "
+                                                  "the engine after its first token.", LATENCY_BUCKETS,
+             "request_prefill_time"),
+            ("vllm:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS,
+             "request_decode_time"),
+            ("vllm:request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS,
+             "request_inference_time"),
+            ("vllm:request_time_per_output_token_seconds", "A request's decode time over its tokens after the "
+                                                           "first.", ITL_BUCKETS, "request_time_per_output_token"),
         ):
             groups = {key: [getattr(e, field) for e in snapshots] for key, snapshots in by_replica.items()}
             yield _histogram(name, text, bounds, labels, groups)

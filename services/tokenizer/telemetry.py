@@ -20,8 +20,8 @@ from shared.api import GenerateRequest
 from shared.messages import TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
-from shared.telemetry import (ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, Histogram, context_from_headers,
-                              ServiceTelemetry, traceparent)
+from shared.telemetry import (ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, TTFT_BUCKETS, Histogram,
+                              ServiceTelemetry, context_from_headers, traceparent)
 
 
 @dataclass
@@ -29,6 +29,8 @@ class RequestTrace:
     span: Span | None
     arrival: float
     """perf_counter() when the request arrived."""
+    max_tokens: int | None = None
+    """What the request asked for."""
     first_output: float | None = None
     last_output: float | None = None
     detokenize_s: float = 0.0
@@ -44,13 +46,16 @@ class TokenizerTelemetry(ServiceTelemetry):
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
+        self.request_prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.request_max_tokens = Histogram(TOKEN_COUNT_BUCKETS)
         self.num_active = 0
 
     def on_accept(self, request: GenerateRequest, params: SamplingParams, num_prompt_tokens: int,
                   headers: dict[str, str] | None, arrival_ns: int, tokenize_ns: tuple[int, int]) -> RequestTrace:
         """A valid request was tokenized: open its span (from `arrival_ns`) with a `tokenize` child."""
         self.num_active += 1
-        trace = RequestTrace(None, time.perf_counter() - (time.time_ns() - arrival_ns) / 1e9)
+        trace = RequestTrace(None, time.perf_counter() - (time.time_ns() - arrival_ns) / 1e9, params.max_tokens)
         if not self.tracing:
             return trace
         operation = "chat" if request.messages is not None else "text_completion"
@@ -110,6 +115,11 @@ class TokenizerTelemetry(ServiceTelemetry):
         self.num_active -= 1
         if num_generated:
             self.prompt_tokens += num_prompt_tokens
+            # per request, as the counters count: their sums are the prompt and generation counters' shares
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_generated)
+            if trace.max_tokens is not None:  # null (until the context is full) gives no number
+                self.request_max_tokens.observe(trace.max_tokens)
         self.generation_tokens += num_generated
         if not (reason is FinishReason.ERROR and retry and not num_generated):
             self.finished[reason] += 1
@@ -141,4 +151,7 @@ class TokenizerTelemetry(ServiceTelemetry):
         return TokenizerMetrics(
             source=self.source, prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             finished=dict(self.finished), time_to_first_token=self.ttft.data(), inter_token_latency=self.itl.data(),
-            e2e_request_latency=self.e2e.data(), num_active=self.num_active)
+            e2e_request_latency=self.e2e.data(), num_active=self.num_active,
+            request_prompt_tokens=self.request_prompt_tokens.data(),
+            request_generation_tokens=self.request_generation_tokens.data(),
+            request_max_tokens=self.request_max_tokens.data())

@@ -110,7 +110,11 @@ def test_dashboard_and_alerts_read_only_served_metrics():
             "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket",
             "vllm:request_queue_time_seconds_bucket", "vllm:iteration_tokens_total_bucket",
             "vllm:request_success_total", "orca:batch_size_bucket", "orca:kv_reserved_slots", "orca:kv_used_slots",
-            "orca:admission_rejections_total", "orca:http_requests_total"} <= served
+            "orca:admission_rejections_total", "orca:http_requests_total", "vllm:request_prefill_time_seconds_bucket",
+            "vllm:request_decode_time_seconds_bucket", "vllm:request_inference_time_seconds_bucket",
+            "vllm:request_time_per_output_token_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+            "vllm:request_generation_tokens_bucket", "vllm:request_params_max_tokens_bucket",
+            "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"} <= served
 
 
 def test_grafana_provisioning_and_collector_config_hang_together():

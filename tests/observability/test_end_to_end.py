@@ -171,7 +171,11 @@ def test_one_request_is_one_connected_trace_across_the_services(observed):
 COUNTERS = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",
             "vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
             "vllm:request_queue_time_seconds_count", "vllm:iteration_tokens_total_sum",
-            "vllm:iteration_tokens_total_count", "orca:batch_size_sum", "orca:iterations_total"]
+            "vllm:iteration_tokens_total_count", "orca:batch_size_sum", "orca:iterations_total",
+            "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+            "vllm:request_inference_time_seconds_count", "vllm:request_time_per_output_token_seconds_count",
+            "vllm:request_prompt_tokens_sum", "vllm:request_generation_tokens_sum",
+            "vllm:request_params_max_tokens_sum"]
 
 
 def test_metrics_under_load_match_what_was_sent(observed):
@@ -227,6 +231,12 @@ def test_metrics_under_load_match_what_was_sent(observed):
         # an iteration computes the prompts and every generated token but the last of each request
         "vllm:iteration_tokens_total_sum": prompt_tokens + completion_tokens - num,
         "orca:batch_size_sum": completion_tokens,  # one batch slot per generated token
+        # vLLM's request phases, one sample per request the engine served (each made more than one token)
+        **dict.fromkeys(["vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                         "vllm:request_inference_time_seconds_count",
+                         "vllm:request_time_per_output_token_seconds_count"], num),
+        "vllm:request_prompt_tokens_sum": prompt_tokens, "vllm:request_generation_tokens_sum": completion_tokens,
+        "vllm:request_params_max_tokens_sum": completion_tokens,  # ignore_eos: each made its max_tokens
         "length": num, "error": 1, "unservable": 1,
     }
     # snapshots come from four processes at their own pace: wait until each has told its part

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -155,3 +157,70 @@ def test_an_abort_and_a_failed_step_end_their_spans_with_their_reason():
     assert ended["a"].attributes["orca.finish_reason"] == "abort" and ended["a"].status.status_code is StatusCode.UNSET
     assert ended["b"].attributes["orca.finish_reason"] == "error"
     assert ended["b"].status.status_code is StatusCode.ERROR and "boom" in ended["b"].status.description
+
+
+class FakeClock:
+    """time.time_ns and time.perf_counter of services.engine.telemetry, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time_ns(self) -> int:
+        return int(self.now * 1e9)
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_request_phases_are_vllms_first_scheduled_to_first_and_last_token(monkeypatch):
+    """vLLM's request_prefill/decode/inference_time_seconds and request_time_per_output_token_seconds, from
+    each request's iterations: 10 ms steps 2 ms apart. a (3 tokens) and b (1 token) run from the first
+    step; c, admitted after it, waits one step; d is cancelled and gives no phases."""
+    import services.engine.telemetry as engine_telemetry
+
+    clock = FakeClock()
+    monkeypatch.setattr(engine_telemetry, "time", clock)
+    s = make_scheduler(num_blocks=40, max_num_seqs=4)
+    telemetry = EngineTelemetry(None, "0", s, config=TelemetryConfig())
+    admit(s, telemetry, recording_tracer()[0], [("a", 5, 3), ("b", 4, 1), ("d", 3, 10)])
+
+    def timed_step() -> None:
+        started = clock.now
+        out = s.schedule()
+        runner = fake_step(out)
+        events = s.update(out, runner)
+        clock.now += 0.010
+        telemetry.on_iteration(out, StepResult(out.iteration, runner, execute_s=0.010), events, started)
+        clock.now += 0.002
+
+    timed_step()
+    admit(s, telemetry, recording_tracer()[0], [("c", 2, 2)])
+    s.abort("d")
+    while s.has_unfinished:
+        timed_step()
+    snap = telemetry.snapshot()
+    # a: prefill 10 ms; tokens at 10, 22, 34 ms: decode 24, 12 a token. b: prefill 10, nothing after.
+    # c: first scheduled at 12 ms, tokens at 22 and 34: prefill 10, decode 12.
+    assert sum(snap.request_prefill_time.counts) == 3
+    assert snap.request_prefill_time.sum == pytest.approx(0.030, abs=1e-6)
+    assert snap.request_decode_time.sum == pytest.approx(0.024 + 0.012, abs=1e-6)
+    assert snap.request_inference_time.sum == pytest.approx(0.034 + 0.010 + 0.022, abs=1e-6)
+    assert sum(snap.request_time_per_output_token.counts) == 2  # b made one token
+    assert snap.request_time_per_output_token.sum == pytest.approx(0.012 + 0.012, abs=1e-6)
+
+
+def test_prefix_cache_queries_and_hits_count_tokens_once_per_admission():
+    """vLLM's prefix_cache_queries and _hits: the tokens of each request admitted to run and those found
+    cached. b does not fit beside a at first (4 blocks of 4 slots, 3 for each); once a's prompt is cached,
+    b shares its first two full blocks (8 of b's 10 tokens) and fits. The failed try counts nothing."""
+    s = make_scheduler(num_blocks=4, max_num_seqs=2, block_size=4, enable_prefix_caching=True)
+    telemetry = EngineTelemetry(None, "0", s, config=TelemetryConfig())
+    prompt = list(range(10, 20))
+    for rid, tokens in (("a", prompt), ("b", prompt[:9] + [99])):
+        s.add_request(Request(rid, tokens, scheduler_params(2), eos_token_ids=(2,)))
+    out, _, _ = step(s, telemetry)
+    assert [item.request_id for item in out.scheduled] == ["a"]
+    while s.has_unfinished:
+        step(s, telemetry)
+    snap = telemetry.snapshot()
+    assert (snap.prefix_cache_queries, snap.prefix_cache_hits) == (20, 8)

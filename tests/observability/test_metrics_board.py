@@ -16,7 +16,7 @@ from shared.codec import Codec
 from shared.messages import AdmissionMetrics, EngineMetrics, TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
-                              TTFT_BUCKETS, Histogram, SnapshotPublisher)
+                              TOKEN_COUNT_BUCKETS, TTFT_BUCKETS, Histogram, SnapshotPublisher)
 
 
 def hist(bounds, values) -> object:
@@ -141,3 +141,43 @@ def test_every_publisher_follows_the_metrics_interval_and_the_board_waits_three_
     assert [e.replica for e in board.live_engines(now)] == ["0"]
     monkeypatch.delenv("ORCA_METRICS_INTERVAL_S")
     assert MetricsBoard().stale_s == STALE_S and SnapshotPublisher(nc, lambda: None).interval_s == 1.0
+
+
+def test_vllms_request_level_families_add_up_and_an_older_snapshot_without_them_still_counts():
+    """vLLM's request phases, per-request token counts and prefix-cache counters, summed over processes; a
+    snapshot from a process of the version before (no such fields: msgspec fills the defaults) decodes,
+    keeps its other figures and adds nothing to those families."""
+    import msgspec
+
+    old = engine("e-old", "0", running=0, used_blocks=0, preemptions=1, iteration_tokens=[4])
+    before = EngineMetrics.__struct_fields__[:EngineMetrics.__struct_fields__.index("batch_size") + 1]
+    fields = {f: getattr(old, f) for f in before}
+    older = Codec.encode(msgspec.defstruct("EngineMetrics", [(f, object) for f in fields], tag="engine")(**fields))
+    new = msgspec.structs.replace(
+        engine("e-new", "0", running=0, used_blocks=0, preemptions=0, iteration_tokens=[4]),
+        request_prefill_time=hist(LATENCY_BUCKETS, [0.2, 0.4]), request_decode_time=hist(LATENCY_BUCKETS, [1.0, 3.0]),
+        request_inference_time=hist(LATENCY_BUCKETS, [1.2, 3.4]),
+        request_time_per_output_token=hist(ITL_BUCKETS, [0.02]), prefix_cache_queries=40, prefix_cache_hits=16)
+    served = msgspec.structs.replace(tokenizer("tok", 30, 9, [0.1, 0.1], {FinishReason.LENGTH: 2}),
+                                     request_prompt_tokens=hist(TOKEN_COUNT_BUCKETS, [10, 20]),
+                                     request_generation_tokens=hist(TOKEN_COUNT_BUCKETS, [4, 5]),
+                                     request_max_tokens=hist(TOKEN_COUNT_BUCKETS, [5]))
+    board, now = MetricsBoard(), 1000.0
+    asyncio.run(board.on_message(type("Msg", (), {"data": older})()))
+    for snapshot in (new, served):
+        board.on_snapshot(snapshot, now)
+    assert board.sources["e-old"][0].prefix_cache_queries == 0
+    m = parse(render_system_metrics(board, "demo", now))
+    e0, model = (("engine", "0"), ("model_name", "demo")), (("model_name", "demo"),)
+    assert m[("vllm:num_preemptions_total", e0)] == 1  # the older snapshot's figures still count
+    assert m[("vllm:request_prefill_time_seconds_count", e0)] == 2
+    assert m[("vllm:request_prefill_time_seconds_sum", e0)] == pytest.approx(0.6)
+    one_second = (("engine", "0"), ("le", "1.0"), ("model_name", "demo"))
+    assert m[("vllm:request_decode_time_seconds_bucket", one_second)] == 1
+    assert m[("vllm:request_inference_time_seconds_sum", e0)] == pytest.approx(4.6)
+    assert m[("vllm:request_time_per_output_token_seconds_count", e0)] == 1
+    assert (m[("vllm:prefix_cache_queries_total", e0)], m[("vllm:prefix_cache_hits_total", e0)]) == (40, 16)
+    assert m[("vllm:request_prompt_tokens_sum", model)] == 30 and m[("vllm:request_prompt_tokens_count", model)] == 2
+    assert m[("vllm:request_prompt_tokens_bucket", (("le", "10.0"), ("model_name", "demo")))] == 1
+    assert m[("vllm:request_generation_tokens_sum", model)] == 9
+    assert m[("vllm:request_params_max_tokens_count", model)] == 1

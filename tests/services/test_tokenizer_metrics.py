@@ -28,6 +28,27 @@ def test_a_served_request_counts_its_prompt_tokens_and_its_end():
     assert counts == (3, 2, {FinishReason.LENGTH: 1}, 1)
 
 
+def test_request_histograms_take_served_requests_only_and_add_up_to_the_counters():
+    """vLLM's request_prompt_tokens, request_generation_tokens and request_params_max_tokens: one sample per
+    request the engine read (so their sums equal prompt_tokens_total and generation_tokens_total, as in
+    vLLM); none for one that failed before its first token, nor a max_tokens sample for one that set none."""
+    async def go(body: dict | None, *outputs: RequestOutput):
+        service, nc = await started(body)
+        for output in outputs:
+            await service.on_outputs(iteration(output))
+            await settle()
+        await service.stop_writer()
+        t = service.telemetry
+        return [(h.sum, sum(h.counts)) for h in (t.request_prompt_tokens, t.request_generation_tokens,
+                                                 t.request_max_tokens)]
+
+    served = (RequestOutput("r1", (7,)), RequestOutput("r1", (8, 9), finish_reason=FinishReason.LENGTH))
+    assert asyncio.run(go(None, *served)) == [(3, 1), (3, 1), (8, 1)]
+    assert asyncio.run(go({"max_tokens": None}, *served)) == [(3, 1), (3, 1), (0, 0)]
+    failed = RequestOutput("r1", finish_reason=FinishReason.ERROR, error="engine 0 failed: rank 0: RuntimeError")
+    assert asyncio.run(go(None, failed)) == [(0, 0)] * 3
+
+
 def test_a_request_refused_by_a_full_queue_is_no_finished_request():
     refused = RequestOutput("r1", finish_reason=FinishReason.ERROR, error="the admission queue is full", retry=True)
     assert final_counts(refused) == (0, 0, {}, 0)
