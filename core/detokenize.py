@@ -20,12 +20,15 @@ Decode = Callable[[Sequence[int]], str]
 
 class IncrementalDetokenizer:
     def __init__(self, decode: Decode, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                 min_tokens: int = 0, include_stop: bool = False) -> None:
-        """`min_tokens`: stop strings match only once this many tokens are out (vLLM's min_tokens);
+                 min_tokens: int = 0, include_stop: bool = False, eos_token_ids: Sequence[int] = ()) -> None:
+        """`min_tokens`: stop strings match only in the text of the tokens after the first this many (vLLM's
+        min_tokens); `eos_token_ids`: the model's, where it stops unless `ignore_eos` (then they are not
+        `stop_reason`, even if also among the stop token ids: vLLM checks EOS first);
         `include_stop`: the text keeps the stop string, or the stop token's text, that ended it."""
         self._decode = decode
         self._stop = tuple(stop)
         self._stop_token_ids = frozenset(stop_token_ids)
+        self._eos_token_ids = frozenset(eos_token_ids)
         self._min_tokens = min_tokens
         self._include_stop = include_stop
         self._tokens: list[int] = []
@@ -39,11 +42,13 @@ class IncrementalDetokenizer:
         id it ended on; None for anything else (EOS, the length, an abort)."""
 
     @classmethod
-    def of(cls, decode: Callable[..., str], params: SamplingParams) -> IncrementalDetokenizer:
+    def of(cls, decode: Callable[..., str], params: SamplingParams,
+           eos_token_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
         """The detokenizer of a request with these parameters; `decode(ids, skip_special_tokens=...)`."""
         if not params.skip_special_tokens:
             decode = functools.partial(decode, skip_special_tokens=False)
-        return cls(decode, params.stop, params.stop_token_ids, params.min_tokens, params.include_stop_str_in_output)
+        return cls(decode, params.stop, params.stop_token_ids, params.min_tokens, params.include_stop_str_in_output,
+                   () if params.ignore_eos else eos_token_ids)
 
     @property
     def watches_stop_strings(self) -> bool:
@@ -83,17 +88,20 @@ class IncrementalDetokenizer:
 
     def add_output(self, token_ids: Sequence[int], engine_stopped: bool) -> tuple[str, int]:
         """add_until_stop for an engine's output; `engine_stopped`: its finish reason is stop. A request
-        that ended on one of its stop token ids keeps that token (in its ids, its usage) but not its text,
-        as vLLM leaves it out; a stop string's text is left out likewise."""
+        that ended on EOS or one of its stop token ids keeps that token (in its ids, its usage) but not its
+        text (with skip_special_tokens off, EOS has one), as vLLM leaves it out unless
+        include_stop_str_in_output; a stop string's text is left out likewise."""
         decoded = token_ids
-        on_stop_token = engine_stopped and bool(token_ids) and token_ids[-1] in self._stop_token_ids
+        last = token_ids[-1] if engine_stopped and token_ids else None
+        # not the last token of a grammar's end, which is the output's own (a JSON object's closing brace)
+        on_stop_token = last in self._stop_token_ids or last in self._eos_token_ids
         if on_stop_token and not self._include_stop:
             decoded = token_ids[:-1]
         text, taken = self.add_until_stop(decoded) if decoded else ("", 0)
         if taken == len(decoded) and not self.stopped:
             taken = len(token_ids)
-            if on_stop_token:
-                self.stop_reason = token_ids[-1]
+            if on_stop_token and last not in self._eos_token_ids:
+                self.stop_reason = last
         return text, taken
 
     def flush(self) -> str:
@@ -112,10 +120,10 @@ class IncrementalDetokenizer:
 
     def _append(self, delta: str) -> str:
         longest = max((len(s) for s in self._stop), default=0)
-        search_from = max(0, len(self.text) - longest + 1)
+        searched = len(self.text)  # each stop string is looked for where it would end in the new text
         self.text += delta
-        stops = self._stop if len(self._tokens) >= self._min_tokens else ()
-        matches = [(at, -len(s), s) for s in stops if (at := self.text.find(s, search_from)) >= 0]
+        stops = self._stop if len(self._tokens) > self._min_tokens else ()
+        matches = [(at, -len(s), s) for s in stops if (at := self.text.find(s, max(0, searched - len(s) + 1))) >= 0]
         if matches:
             at, minus_len, self.stop_reason = min(matches)  # the first match; of two there, the longer
             self.text = self.text[:at - minus_len if self._include_stop else at]

@@ -65,13 +65,6 @@ class Delta:
         return self.completion.finish_reason is not None
 
 
-def model_eos_ids(model_dir: str, tokenizer: Tokenizer | None) -> tuple[int, ...]:
-    ids = eos_token_ids(model_dir)
-    if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids += (tokenizer.eos_token_id,)
-    return ids
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None,
                  tokenizer: Tokenizer | None = None, max_batches_in_flight: int | None = None,
@@ -92,7 +85,8 @@ class LLMEngine:
         self.tokenizer = tokenizer or load_tokenizer(config.model.model)
         self.vocab_size = arch.vocab_size
         self.max_batches_in_flight = max_batches_in_flight or self.executor.depth
-        self.eos_token_ids = model_eos_ids(config.model.model, self.tokenizer)
+        self.eos_token_ids = (self.tokenizer.eos_token_ids if self.tokenizer is not None
+                              else eos_token_ids(config.model.model))
         self.scheduler = Scheduler.from_config(config.scheduler, cache, self.max_model_len,
                                                pipeline_depth=self.max_batches_in_flight,
                                                world_size=config.parallel.world_size)
@@ -134,7 +128,8 @@ class LLMEngine:
                                 logprobs=[] if params.logprobs is not None else None)
         self.completions[request_id] = completion
         if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer.of(self.tokenizer.decode, params)
+            self._detokenizers[request_id] = IncrementalDetokenizer.of(self.tokenizer.decode, params,
+                                                                       self.eos_token_ids)
         return completion
 
     def abort(self, request_id: str) -> Delta | None:

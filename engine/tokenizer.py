@@ -64,6 +64,8 @@ class Tokenizer:
         self._backend_decode = (backend.decode if backend is not None
                                 and not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False) else None)
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = () if self.eos_token_id is None else (self.eos_token_id,)
+        """Every id the model stops on (load_tokenizer adds the checkpoint's config and generation config)."""
         self.chat_template: str | None = (load_chat_template(chat_template) if chat_template
                                           else getattr(hf_tokenizer, "chat_template", None) or None)
 
@@ -150,7 +152,23 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, *,
         _transformers_without_torch()
     from transformers import AutoTokenizer  # heavy import, only where a tokenizer is used
 
-    return Tokenizer(AutoTokenizer.from_pretrained(str(model_dir)), chat_template)
+    tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(model_dir)), chat_template)
+    tokenizer.eos_token_ids = model_eos_ids(model_dir, tokenizer.eos_token_id)
+    return tokenizer
+
+
+def model_eos_ids(model_dir: str | Path, tokenizer_eos_id: int | None) -> tuple[int, ...]:
+    """The EOS ids of config.json and generation_config.json (Llama 3 lists several), and the tokenizer's
+    (alone, for a tokenizer saved without a model's config)."""
+    from model.arch import eos_token_ids  # torch-free: reads the two JSON files
+
+    try:
+        ids = eos_token_ids(model_dir)
+    except ValueError:  # no config.json, or one of a model this engine does not run
+        ids = ()
+    if tokenizer_eos_id is not None and tokenizer_eos_id not in ids:
+        ids += (tokenizer_eos_id,)
+    return ids
 
 
 def _transformers_without_torch() -> None:

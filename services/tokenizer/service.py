@@ -183,7 +183,7 @@ class TokenizerService:
             return
         trace = self.telemetry.on_accept(request, params, len(prompt_ids), msg.headers, arrival_ns, tokenize_ns)
         self.ended.pop(request.id, None)
-        detokenizer = IncrementalDetokenizer.of(self.tokenizer.decode, params)
+        detokenizer = IncrementalDetokenizer.of(self.tokenizer.decode, params, self.tokenizer.eos_token_ids)
         state = self.active[request.id] = ActiveRequest(
             msg.reply, detokenizer, prompt_ids, trace=trace,
             tools=request.tools, tool_choice=request.tool_choice, parallel_tool_calls=request.parallel_tool_calls,

@@ -105,9 +105,26 @@ def test_a_final_stop_token_is_taken_but_its_text_is_not_the_outputs():
 
 
 def test_an_output_that_ends_otherwise_keeps_its_last_tokens_text():
-    for stopped, last in ((True, "x"), (False, "$")):  # stopped on EOS or a grammar; or at max_tokens
-        detok = IncrementalDetokenizer(byte_decode, stop_token_ids=[ord("$")])
+    for stopped, last in ((True, "x"), (False, "$"), (False, "E")):  # a grammar's end; max_tokens (twice)
+        detok = IncrementalDetokenizer(byte_decode, stop_token_ids=[ord("$")], eos_token_ids=[ord("E")])
         assert detok.add_output(list(f"a{last}".encode()), engine_stopped=stopped) == (f"a{last}", 2)
+
+
+def test_eos_that_ends_an_output_is_taken_without_its_text_and_is_no_stop_reason():
+    """With skip_special_tokens off EOS has text (`<|end_of_text|>`): vLLM leaves it out as it does a stop
+    token's (include_stop_str_in_output keeps it), and checks EOS first, so an EOS that is also a stop token
+    id gives stop_reason null. Under ignore_eos it is a stop token like any other."""
+    from shared.sampling import SamplingParams
+
+    def detok(**params) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer.of(lambda ids, **_: byte_decode(ids), SamplingParams(**params), [ord("E")])
+
+    d = detok(stop_token_ids=(ord("E"),))
+    assert d.add_output(list(b"abE"), engine_stopped=True) == ("ab", 3) and d.stop_reason is None
+    d = detok(include_stop_str_in_output=True)
+    assert d.add_output(list(b"abE"), engine_stopped=True) == ("abE", 3) and d.stop_reason is None
+    d = detok(stop_token_ids=(ord("E"),), ignore_eos=True)
+    assert d.add_output(list(b"abE"), engine_stopped=True) == ("ab", 3) and d.stop_reason == ord("E")
 
 
 def test_a_stop_string_before_the_stop_token_wins():

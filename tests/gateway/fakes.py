@@ -24,6 +24,7 @@ class FakeTokenizer:
     """Token t is the character chr(t); a chat renders as `role: content` lines."""
 
     eos_token_id = 0
+    eos_token_ids = (0,)
 
     def __init__(self) -> None:
         self.rendered: list[tuple[list[dict], list[dict] | None]] = []

@@ -100,9 +100,18 @@ def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(demo_model):
 
 
 def test_min_tokens_stop_strings_match_only_after_them():
-    detok = IncrementalDetokenizer(lambda ids: bytes(ids).decode(), stop=("x",), min_tokens=3)
-    assert detok.add(list(b"x")) + detok.add(list(b"a")) + detok.add(list(b"x")) == "xa"
-    assert detok.stopped
+    """vLLM's rule: a stop string must end in the text of a token after the first min_tokens (as EOS can
+    come first at token min_tokens + 1), not in the text of those tokens."""
+    def run(stop: tuple[str, ...], min_tokens: int, tokens: bytes) -> tuple[str, bool]:
+        detok = IncrementalDetokenizer(lambda ids: bytes(ids).decode(), stop=stop, min_tokens=min_tokens)
+        out = "".join(detok.add([t]) for t in tokens) + detok.flush()
+        assert out == detok.text
+        return out, detok.stopped
+
+    assert run(("x",), 3, b"xax") == ("xax", False)
+    assert run(("x",), 3, b"xaxx") == ("xax", True)
+    assert run(("ab",), 2, b"abc") == ("abc", False)  # "ab" ended in token 2
+    assert run(("ab",), 1, b"abc") == ("", True)  # in token 2: it straddles the first token's text
 
 
 def test_min_tokens_past_max_tokens_or_with_a_constraint_is_refused():
@@ -132,3 +141,17 @@ def test_the_stop_string_stays_in_the_text_when_asked(demo_model, stop_case):
                             include_stop_str_in_output=True)
     done = run(demo_model, "orca", {"a": params, "b": SamplingParams(max_tokens=2, temperature=0.0)})
     assert (done["a"].text, done["a"].token_ids, done["a"].finish_reason) == (before + stop, tokens, FinishReason.STOP)
+
+
+def test_eos_with_special_tokens_kept_ends_the_text_without_its_own(demo_model):
+    """skip_special_tokens off: EOS's text (`</s>`) is not the output's, as vLLM leaves out the token a
+    request stopped on; an EOS the request also lists in stop_token_ids gives stop_reason null (EOS comes
+    first), and every EOS of the checkpoint reaches the tokenizer the services load."""
+    tokenizer = load_tokenizer(demo_model, control_plane=True)
+    eos = tokenizer.eos_token_ids[0]
+    assert tokenizer.decode([eos], skip_special_tokens=False) != ""
+    forced = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    done = run(demo_model, "orca", {"a": forced, "b": msgspec.structs.replace(forced, stop_token_ids=(eos,))})
+    for rid in "ab":
+        assert (done[rid].token_ids, done[rid].text, done[rid].finish_reason) == ([eos], "", FinishReason.STOP)
+        assert done[rid].stop_reason is None

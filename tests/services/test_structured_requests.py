@@ -32,6 +32,7 @@ class CharTokenizer:
     """Token t is chr(t); a chat renders as its contents, with the tools' names in front."""
 
     eos_token_id = 0
+    eos_token_ids = (0,)
 
     def __init__(self) -> None:
         self.tools: list = []

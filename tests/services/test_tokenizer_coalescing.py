@@ -21,6 +21,8 @@ REPLY = "client.inbox.r1"
 class FakeTokenizer:
     """Token t decodes to `<t>`."""
 
+    eos_token_ids = (2,)
+
     def decode(self, token_ids) -> str:
         return "".join(f"<{t}>" for t in token_ids)
 
