@@ -104,8 +104,8 @@ class Call:
             state = self.state
             chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, state.token_text, state.token_bytes)
         if finish_reason is not None:
-            if self.tool_streams is not None and self.tool_streams[index].called:
-                finish_reason = tool_calls_finish(finish_reason)
+            if self.tools is not None and self.tool_streams is not None and self.tool_streams[index].called:
+                finish_reason = tool_calls_finish(finish_reason, self.tools)
             chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, finish_reason,
                                      stop_reason=event.stop_reason))
         return [self._with_usage(c) for c in chunks]

@@ -78,19 +78,20 @@ def chat_response(public_id: str, created: int, model: str, choices: list[Choice
 
 def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None) -> tuple[dict, str | None]:
     """A whole reply and its finish reason: with tool calls, `tool_calls` (content null unless the
-    model wrote some before them) and "tool_calls" where the model stopped by itself."""
+    model wrote some before them) and "tool_calls" where the model stopped by itself (tool_calls_finish)."""
     if tools is None:
         return {"role": "assistant", "content": text}, finish_reason
     content, calls = tools.parse(text)
     if not calls:
         return {"role": "assistant", "content": text}, finish_reason
     message = {"role": "assistant", "content": content, "tool_calls": [msgspec.to_builtins(c) for c in calls]}
-    return message, tool_calls_finish(finish_reason)
+    return message, tool_calls_finish(finish_reason, tools)
 
 
-def tool_calls_finish(finish_reason: str | None) -> str | None:
-    """OpenAI's finish reason for a reply that called tools: "tool_calls", unless it was cut short."""
-    return "tool_calls" if finish_reason == "stop" else finish_reason
+def tool_calls_finish(finish_reason: str | None, tools: ToolUse) -> str | None:
+    """OpenAI's finish reason for a reply that called tools: "tool_calls", unless it was cut short or
+    tool_choice named the function (then "stop", as OpenAI answers and vLLM follows: vllm-project/vllm#25054)."""
+    return "tool_calls" if finish_reason == "stop" and tools.named is None else finish_reason
 
 
 def completion_chunk(public_id: str, created: int, model: str, index: int, text: str, finish_reason: str | None,

@@ -220,8 +220,9 @@ def whole(script, finish_reason: str = "stop", **fields) -> dict:
 
 
 def test_a_named_function_is_one_call_with_the_output_as_arguments():
+    """finish_reason "stop", not "tool_calls", as OpenAI answers a named tool_choice (vllm-project/vllm#25054)."""
     choice = whole(answer('{"city":', '"Paris"}'), tools=TOOLS, tool_choice=NAMED)
-    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city":"Paris"}'}
@@ -297,8 +298,10 @@ def test_a_named_function_streams_its_arguments_as_they_come():
     fragments = [d["tool_calls"][0]["function"]["arguments"] for d in deltas[2:] if d.get("tool_calls")]
     assert fragments[0] == '{"ci' and "".join(fragments) == '{"city":"Paris"}', "(later events arrive coalesced)"
     assert all("id" not in d["tool_calls"][0] for d in deltas[2:] if d.get("tool_calls"))
-    assert choices[-1]["delta"] == {} and choices[-1]["finish_reason"] == "tool_calls"
+    assert choices[-1]["delta"] == {} and choices[-1]["finish_reason"] == "stop"  # as OpenAI streams it too
     assert [c["finish_reason"] for c in choices[:-1]] == [None] * (len(choices) - 1)
+    cut = streamed(answer('{"ci'), "length", tools=TOOLS, tool_choice=NAMED)
+    assert cut[-1]["finish_reason"] == "length"
 
 
 def test_required_streams_its_calls_once_the_array_is_whole():

@@ -218,16 +218,18 @@ def test_a_named_function_is_called_with_valid_arguments(client):
         tool_choice=named, max_tokens=MAX_TOKENS, temperature=0)
     [call] = out.choices[0].message.tool_calls
     check_call(call, "get_weather")
-    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].message.content is None  # OpenAI's answer
 
-    arguments, names = "", []
+    arguments, names, finish = "", [], None
     for chunk in client.chat.completions.create(
             model=MODEL_NAME, messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
             tool_choice=named, max_tokens=MAX_TOKENS, temperature=0, stream=True):
         for delta in chunk.choices[0].delta.tool_calls or ():
             names.append(delta.function.name)
             arguments += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
     assert names[0] == "get_weather" and arguments == call.function.arguments, "greedy: as the whole response"
+    assert finish == "stop"
 
 
 def test_tool_history_is_accepted(client):
