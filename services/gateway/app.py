@@ -5,12 +5,14 @@ listens to admission and engine status. `orca serve` runs it as a Ray Serve depl
 (`start_on_ray_serve`); `python -m services.gateway` runs the same app under uvicorn.
 
 Routes: POST /v1/completions, /v1/chat/completions (whole or SSE), GET /v1/models[/{id}],
-GET /health, GET /metrics, POST /tokenize, /detokenize, /v1/abort/{id}.
+GET /health, GET /metrics, GET /version, POST /tokenize, /detokenize, /v1/abort/{id}.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.metadata
 import inspect
 import logging
 from collections import Counter
@@ -127,6 +129,16 @@ def _stop_event(app: FastAPI) -> tuple[asyncio.Event, asyncio.Task | None]:
     return stop, asyncio.get_running_loop().create_task(watch())
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("orca-serve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+ORCA_VERSION = _version()
+
+
 def state_of(request: Request) -> GatewayState:
     return request.app.state.gateway
 
@@ -151,6 +163,10 @@ def add_routes(app: FastAPI) -> None:
         state = state_of(request)
         state.check_model(model_id)
         return state.model_card()
+
+    @app.get("/version", response_model=t.Version, responses={401: ERRORS[401]})
+    async def version() -> dict:
+        return {"version": ORCA_VERSION}
 
     @app.get("/health", response_model=t.Health, responses={503: {"model": t.Health}})
     async def health(request: Request) -> Response:
@@ -180,7 +196,9 @@ def add_routes(app: FastAPI) -> None:
         state = state_of(request)
         state.check_model(body.model)
         tokens = state.prompts.checked(body.tokens, "tokens")
-        return {"prompt": await state.prompts.run(state.tokenizer.decode, tokens)}
+        # special tokens kept, as vLLM's /detokenize (transformers' default): what a template rendered is seen
+        return {"prompt": await state.prompts.run(functools.partial(state.tokenizer.decode, skip_special_tokens=False),
+                                                  tokens)}
 
     @app.post("/v1/abort/{request_id}", response_model=t.AbortResponse, responses={401: ERRORS[401], 404: ERRORS[404]})
     async def abort(request_id: str, request: Request) -> dict:

@@ -479,6 +479,11 @@ class AbortResponse(BaseModel):
     """The internal request ids an abort was sent for."""
 
 
+class Version(BaseModel):
+    version: str
+    """orca-serve's version (vLLM's GET /version gives vLLM's)."""
+
+
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     num_engines_ready: int

@@ -46,3 +46,13 @@ def test_allowed_origins_narrow_it_or_turn_it_off(monkeypatch, origins, allowed)
         assert "access-control-allow-origin" not in preflight.headers
     else:
         assert (preflight.headers.get("access-control-allow-origin") == "https://app.example") is allowed
+
+
+def test_version_is_the_installed_packages_and_needs_the_key(monkeypatch):
+    """vLLM's GET /version, with orca-serve's version; like every route but /health and /metrics, behind the key."""
+    import importlib.metadata
+
+    http = gateway(monkeypatch, None)
+    assert http.get("/version").status_code == 401
+    answer = http.get("/version", headers={"Authorization": "Bearer sk-test"})
+    assert answer.status_code == 200 and answer.json() == {"version": importlib.metadata.version("orca-serve")}

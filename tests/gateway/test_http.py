@@ -216,13 +216,20 @@ def test_health_metrics_models(http):
     assert card["id"] == MODEL_NAME and card["max_model_len"] == 1024 and card["object"] == "model"
 
 
-def test_tokenize_and_detokenize(http):
+def test_tokenize_and_detokenize(http, demo_model):
+    """/detokenize keeps special tokens, as vLLM's does: the BOS the prompt got, the chat template's markers."""
+    from engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(demo_model, control_plane=True)
     tokens = http.post(TOK, json={"prompt": "def main():"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 1024
-    assert http.post(DETOK, json={"tokens": tokens["tokens"]}).json()["prompt"] == "def main():"
+    bos = tokenizer.decode(tokens["tokens"][:1], skip_special_tokens=False)
+    assert bos and http.post(DETOK, json={"tokens": tokens["tokens"]}).json()["prompt"] == bos + "def main():"
     rendered = http.post(TOK, json={"messages": CHAT, "model": MODEL_NAME}).json()
     usage = http.post(CH, json=chat(max_tokens=1)).json()["usage"]
     assert rendered["count"] == usage["prompt_tokens"]
+    text = http.post(DETOK, json={"tokens": rendered["tokens"]}).json()["prompt"]
+    assert text == tokenizer.decode(rendered["tokens"], skip_special_tokens=False) != tokenizer.decode(rendered["tokens"])
 
 
 def test_abort_route_ends_a_running_stream(gateway, http):

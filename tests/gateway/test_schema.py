@@ -35,7 +35,8 @@ def keep_it_small(body: object) -> None:
 
 
 OPERATIONS = ["POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /v1/models/{model_id}",
-              "GET /health", "GET /metrics", "POST /tokenize", "POST /detokenize", "POST /v1/abort/{request_id}"]
+              "GET /health", "GET /metrics", "GET /version", "POST /tokenize", "POST /detokenize",
+              "POST /v1/abort/{request_id}"]
 
 
 WITH_BODY = {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"}
