@@ -109,6 +109,8 @@ class RunnerOutput(msgspec.Struct, frozen=True, array_like=True):
     """Requests whose grammar failed on the output rank (compile, or a refused token): they end in error."""
     grammar_done: list[str] = []
     """Requests whose grammar took its last token this iteration: they are complete."""
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = msgspec.field(default_factory=dict)
+    """For requests that asked, with their first sampled token: every prompt token's after the first."""
 
 
 class StepResult(msgspec.Struct, frozen=True, array_like=True):

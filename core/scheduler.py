@@ -284,7 +284,10 @@ class Scheduler:
             if reason is not None:
                 self._retire(request, reason)
             logprob = result.logprobs.get(item.request_id)
-            event = RequestOutput(item.request_id, (token,), (logprob,) if logprob is not None else None, reason)
+            first = len(request.output_token_ids) == 1
+            prompt_logprobs = result.prompt_logprobs.get(item.request_id) if first else None
+            event = RequestOutput(item.request_id, (token,), (logprob,) if logprob is not None else None, reason,
+                                  prompt_logprobs=prompt_logprobs)
             (self._held.setdefault(item.request_id, []) if self.policy.lockstep else events).append(event)
         if self.policy.lockstep and self.running and all(r.finish_reason is not None for r in self.running):
             events += self._end_batch()
@@ -357,6 +360,7 @@ class Scheduler:
             events.append(RequestOutput(
                 request.request_id, tuple(t for e in held for t in e.new_token_ids),
                 tuple(logprobs) if logprobs else None, request.finish_reason,
+                prompt_logprobs=next((e.prompt_logprobs for e in held if e.prompt_logprobs is not None), None),
             ))
             self._end(request, request.finish_reason)
         return events
@@ -385,12 +389,14 @@ class Scheduler:
     def _reserve(self, request: Request) -> bool:
         kv = self.kv_cache
         tokens = self._all_tokens(request)
-        request.num_computed_tokens = kv.share_cached_prefix(request.request_id, tokens)
+        # prompt logprobs need every prompt position computed: no cached prefix for such a request (vLLM's rule)
+        wants_prompt = request.params.prompt_logprobs is not None
+        request.num_computed_tokens = 0 if wants_prompt else kv.share_cached_prefix(request.request_id, tokens)
         if kv.allocate(request.request_id, self.policy.reservation(request, self.max_model_len)) is None:
             kv.free(request.request_id)  # give back the shared prefix too
             request.num_computed_tokens = 0
             return False
-        if kv.enable_prefix_caching:
+        if kv.enable_prefix_caching and not wants_prompt:
             self.prefix_queried_tokens += len(tokens)
             self.prefix_hit_tokens += request.num_computed_tokens
         return True

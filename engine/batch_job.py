@@ -41,6 +41,8 @@ def completion_record(c: Completion, request: GenerateRequest | None = None) -> 
             record["tool_calls"] = [msgspec.to_builtins(call) for call in calls]
     if c.logprobs is not None:
         record["logprobs"] = event_logprobs(c.logprobs)
+    if c.prompt_logprobs is not None:
+        record["prompt_logprobs"] = event_logprobs(c.prompt_logprobs)
     if c.error:
         record["error"] = c.error
     record["metrics"] = c.metrics()

@@ -36,6 +36,8 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With prompt_logprobs asked for: one per prompt token after the first, once its first token came."""
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended it (vLLM's `stop_reason`); None for any other end."""
@@ -191,6 +193,8 @@ class LLMEngine:
             completion.first_token_time = now
         if completion.logprobs is not None and event.logprobs:
             completion.logprobs.extend(event.logprobs[:len(new_tokens)])
+        if event.prompt_logprobs is not None:
+            completion.prompt_logprobs = list(event.prompt_logprobs)
         if detok is not None and (detok.watches_stop_strings or self.stream_text or reason is not None):
             if not detok.watches_stop_strings:
                 # Unstreamed, a request without stop strings is decoded once, from all its tokens.

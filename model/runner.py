@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from core.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from shared.outputs import TokenLogprob
 from orca_kernels.backend import CPU_OP_SETS, get_kernel_ops
 from model.distributed import ParallelGroups
 from model.loader import load_model, resolve_dtype
@@ -23,7 +24,7 @@ from model.compiled import CompiledForward, warm_up
 from model.cpu_linear import can_pack, pack_linears
 from model.metadata import AttentionMetadata
 from model.arch import eos_token_ids
-from model.sampler import SamplingState, sample
+from model.sampler import SamplingState, prompt_logprobs, sample
 from model.structured import POLL_WAIT_S, GrammarMatchers
 from model.tensor_parallel import local_kv_heads
 
@@ -40,6 +41,9 @@ class RequestState:
     token_ids: list[int]  # prompt + generated; the runner feeds them back as inputs
     block_ids: list[int]
     sampling: SamplingState
+    num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Collected chunk by chunk for a request that asked for them, until its first token; else None."""
 
 
 @dataclass
@@ -126,6 +130,7 @@ class ModelRunner:
         hidden = self._run_stage(batch)  # (T, H)
         if hidden is None:
             return None
+        self._collect_prompt_logprobs(hidden, scheduler_output.scheduled)
         mask = grammars.fill(batch.sampled_request_ids) if constrained else None  # on CUDA: while the GPU runs
         if not batch.sampled_request_ids:  # only partial prefill chunks this iteration
             return self._with_grammar_news(RunnerOutput(grammar_errors=grammar_errors), scheduler_output)
@@ -141,11 +146,29 @@ class ModelRunner:
         if scheduler_output.runner_keeps_samples:  # async scheduling: the next step may already need them
             for state, token in zip(states, tokens):
                 state.token_ids.append(token)
+        prompt_logprobs = {}
+        for request_id, state in zip(batch.sampled_request_ids, states):
+            if state.prompt_logprobs is not None:  # its prompt is complete: they go with its first token
+                prompt_logprobs[request_id], state.prompt_logprobs = tuple(state.prompt_logprobs), None
         return self._with_grammar_news(RunnerOutput(
             sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
             logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},
-            grammar_errors=grammar_errors, grammar_done=done,
+            grammar_errors=grammar_errors, grammar_done=done, prompt_logprobs=prompt_logprobs,
         ), scheduler_output)
+
+    def _collect_prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> None:
+        """The prompt logprobs of this iteration's chunk of each request that wants them: the hidden state at
+        position p gives the logprob of prompt token p + 1 (the last prompt position's is the first output's)."""
+        row = 0
+        for item in scheduled:
+            state = self.requests[item.request_id]
+            first = item.num_computed_tokens
+            last = min(first + item.num_new_tokens, state.num_prompt_tokens - 1)
+            if state.prompt_logprobs is not None and last > first:
+                state.prompt_logprobs.extend(prompt_logprobs(
+                    self.model.compute_logits, hidden[row:row + last - first], state.token_ids[first + 1:last + 1],
+                    state.sampling.params.prompt_logprobs or 0))
+            row += item.num_new_tokens
 
     def _with_grammar_news(self, output: RunnerOutput, scheduler_output: SchedulerOutput) -> RunnerOutput | None:
         """The output rank's answer, with the compiles that finished (waiting a moment for one on a step
@@ -234,8 +257,11 @@ class ModelRunner:
         if new.params.min_tokens:  # ids past the vocabulary are refused before they get here; never index past it
             vocab = self.arch.vocab_size
             ends = tuple(t for t in dict.fromkeys((*self.eos_token_ids, *new.params.stop_token_ids)) if t < vocab)
+        # not for one that comes back after its first token (a preemption, a resume): those went with it
+        collect = new.params.prompt_logprobs is not None and len(tokens) == new.num_prompt_tokens
         return RequestState(tokens, list(new.block_ids),
-                            SamplingState(new.params, tokens, new.num_prompt_tokens, generator, ends))
+                            SamplingState(new.params, tokens, new.num_prompt_tokens, generator, ends),
+                            new.num_prompt_tokens, [] if collect else None)
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest]) -> BatchInputs:
         """The iteration's flat inputs and attention metadata, built once for all layers: per request

@@ -7,6 +7,7 @@ depend on what else is in the batch. Logprobs are of the model's raw distributio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,4 +146,27 @@ def _logprobs(raw: torch.Tensor, tokens: list[int],
         top = torch.topk(logp[i], k) if k else None
         alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
         out[row] = TokenLogprob(tokens[row], float(logp[i, tokens[row]]), alternatives)
+    return out
+
+
+PROMPT_LOGITS_ROWS = 256
+"""Prompt positions turned into logits at once: a long prompt's (T, V) logits at once would take gigabytes."""
+
+
+def prompt_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                    targets: list[int], k: int) -> list[TokenLogprob]:
+    """Row i of `hidden` (a prompt position) scored against prompt token targets[i], with the top k there,
+    of the raw distribution (no penalty, bias or temperature), as the sampled tokens' logprobs are."""
+    out: list[TokenLogprob] = []
+    for at in range(0, len(targets), PROMPT_LOGITS_ROWS):
+        logp = torch.log_softmax(compute_logits(hidden[at:at + PROMPT_LOGITS_ROWS]).double(), dim=-1)
+        logp.clamp_(min=LOGPROB_FLOOR)
+        chunk = targets[at:at + PROMPT_LOGITS_ROWS]
+        picked = logp.gather(1, torch.tensor(chunk, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+        if k:
+            top = torch.topk(logp, k, dim=-1)
+            alternatives = [tuple(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            alternatives = [()] * len(chunk)
+        out += [TokenLogprob(t, lp, alt) for t, lp, alt in zip(chunk, picked, alternatives)]
     return out

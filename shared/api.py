@@ -172,6 +172,9 @@ class GenerateEvent(msgspec.Struct, frozen=True, omit_defaults=True):
     """On the final event only."""
     logprobs: list[EventLogprob] | None = None
     """One per token in `token_ids`, when the request asked for logprobs."""
+    prompt_logprobs: list[EventLogprob] | None = None
+    """On the event with the first token, when the request asked for prompt_logprobs: one per prompt token
+    after the first (the first has none: nothing comes before it)."""
     tool_calls: list[ToolCall] | None = None
     """On the final event of a request with tools, when the model called any: parsed from the whole
     output (the events' `text`, joined, is that output as the model wrote it)."""

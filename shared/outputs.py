@@ -42,6 +42,8 @@ class RequestOutput(msgspec.Struct, frozen=True, gc=False):
     error: str | None = None
     retry: bool = False
     """With an error: one that passes (no engine for a while, the queue full), so the request may be sent again."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """With the first token of a request that asked for them: one per prompt token after the first."""
 
     @property
     def finished(self) -> bool:

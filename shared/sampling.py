@@ -43,6 +43,10 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     """vLLM's: the text keeps the stop string (or the stop token's text) that ended it."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token and of the top-k alternatives."""
+    prompt_logprobs: int | None = None
+    """vLLM's: the log-probability of each prompt token after the first (given the tokens before it) and of
+    the top-k alternatives there, as of the raw distribution. Such a prompt is always computed whole (no
+    cached prefix)."""
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -111,8 +115,11 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
                "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative integers")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-               "logprobs", self.logprobs, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                     and 0 <= value <= MAX_TOP_LOGPROBS),
+                   name, value, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
         _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0.0,
                "repetition_penalty", self.repetition_penalty, "must be > 0")
         _check(_finite(self.presence_penalty) and -2.0 <= self.presence_penalty <= 2.0,

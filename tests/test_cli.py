@@ -35,7 +35,7 @@ def test_generate_serves_every_good_line_and_names_every_bad_one(demo_model, tmp
         json.dumps({"id": "c", "prompt": "x", "top_p": 7}),
         "",
         json.dumps({"id": "d", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
-                    "temperature": 0, "logprobs": 2}),
+                    "temperature": 0, "logprobs": 2, "prompt_logprobs": 1}),
         json.dumps({"id": "a", "prompt": "duplicate id", "max_tokens": 2}),
     ]
     source = tmp_path / "in.jsonl"
@@ -50,6 +50,10 @@ def test_generate_serves_every_good_line_and_names_every_bad_one(demo_model, tmp
     assert records[2]["finish_reason"] == "error" and "line 3" in records[2]["error"] and "context" in records[2]["error"]
     assert "top_p" in records[3]["error"] and "line 4" in records[3]["error"]
     assert len(records[4]["logprobs"]) == 3 and len(records[4]["logprobs"][0]["top_logprobs"]) == 2
+    prompt = records[4]["prompt_token_ids"]
+    assert [lp["token_id"] for lp in records[4]["prompt_logprobs"]] == prompt[1:]
+    assert all(len(lp["top_logprobs"]) == 1 for lp in records[4]["prompt_logprobs"])
+    assert "prompt_logprobs" not in records[0]
     assert "already in use" in records[5]["error"] and "line 7" in records[5]["error"]
     assert "requests:" in result.stderr  # progress bar
     assert "6 requests, 4 errors" in result.stderr

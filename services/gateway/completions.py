@@ -33,8 +33,9 @@ from services.gateway.errors import APIError, error_body, from_generation_error
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
 from services.gateway.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, PromptInput, check_unsupported,
                                       generate_requests, resolve_max_tokens)
-from services.gateway.responses import (SSE_DONE, Choice, chat_chunk, chat_logprobs, chat_response, completion_chunk,
-                                        completion_logprobs, completion_response, sse, tool_calls_finish, usage)
+from services.gateway.responses import (SSE_DONE, Choice, Echo, chat_chunk, chat_logprobs, chat_response,
+                                        completion_chunk, completion_logprobs, completion_response, echoed_logprobs,
+                                        joined, sse, text_end, tool_calls_finish, usage)
 from services.gateway.state import GatewayState
 from services.gateway.tool_stream import ToolStream
 from shared.api import ChatTurn
@@ -50,7 +51,7 @@ class Call:
     chat: bool
     generation: Generation
     prompt_lens: list[int]
-    echo: list[str] | None
+    echo: Echo | None
     want_logprobs: bool
     include_usage: bool
     tools: ToolUse | None = None
@@ -78,15 +79,22 @@ class Call:
         logprobs = event.logprobs if self.want_logprobs and event.logprobs else None
         if self.chat:
             return self._chat_chunks(index, event, first, logprobs)
-        text = (self.echo[index] if first and self.echo else "") + event.text
+        echo = self.echo
+        generated = not (echo and echo.only)
+        text = (echo.texts[index] if first and echo else "") + (event.text if generated else "")
         # New tokens are a chunk even when they make no text yet (a byte of a character, text a stop
         # string may claim): the client sees the first token when it comes, as vLLM sends it.
         if not (text or event.token_ids or event.finish_reason or logprobs):
             return []
-        lp = None
-        if logprobs:
-            lp = completion_logprobs(logprobs, self.state.token_text, choice.token_text_len)
-            choice.token_text_len = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        parts, offset = [], choice.token_text_len
+        if first and echo and self.want_logprobs:  # the prompt's own, in front of the first token's
+            parts.append(echoed_logprobs(echo.first_tokens[index], event.prompt_logprobs or (), self.state.token_text))
+            offset = text_end(parts[0])
+        if logprobs and generated:
+            parts.append(completion_logprobs(logprobs, self.state.token_text, offset))
+        lp = joined(parts) if parts else None
+        if lp is not None:
+            choice.token_text_len = text_end(lp)
         return [self._with_usage(completion_chunk(self.public_id, self.created, self.model, index, text,
                                                   event.finish_reason, lp, event.stop_reason))]
 
@@ -133,7 +141,7 @@ class Call:
     def usage_chunk(self) -> dict:
         return {"id": self.public_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(self.prompt_lens, self.choices)}
+                "usage": usage(self.prompt_lens, self.choices, generated=not (self.echo and self.echo.only))}
 
     def write(self, batch: list[tuple[int, Event]]) -> tuple[bytes, bool]:
         """The server-sent events of `batch`, as one write; True when an error ended the stream (its
@@ -177,8 +185,17 @@ async def create_completion(state: GatewayState, body: CompletionRequest, http: 
     context, capacity = state.context_len(), state.client.status.kv_capacity_tokens()
     max_tokens = [resolve_max_tokens(len(p.token_ids), body.max_tokens, context, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      capacity) for p in prompts]
-    echo = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
-    return await _serve(state, http, body, False, prompts, max_tokens, body.logprobs, echo, constraint)
+    echo = None
+    if body.echo:  # max_tokens 0: the prompt alone (the engine makes one token, which is not returned: vLLM's way)
+        echo = Echo([_prompt_text(state, p) for p in prompts for _ in range(body.n)],
+                    [p.token_ids[0] for p in prompts for _ in range(body.n)], only=body.max_tokens == 0)
+        if echo.only:
+            max_tokens = [1] * len(prompts)
+    elif body.max_tokens == 0:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", param="max_tokens")
+    prompt_logprobs = body.logprobs if body.echo else None  # echo with logprobs scores the prompt too
+    return await _serve(state, http, body, False, prompts, max_tokens, body.logprobs, echo, constraint,
+                        prompt_logprobs=prompt_logprobs)
 
 
 async def create_chat_completion(state: GatewayState, body: ChatCompletionRequest, http: Request) -> Response:
@@ -203,10 +220,11 @@ def _prompt_text(state: GatewayState, prompt: PromptInput) -> str:
 
 async def _serve(state: GatewayState, http: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
                  prompts: list[PromptInput], max_tokens: list[int], logprobs: int | None,
-                 echo: list[str] | None, constraint: StructuredOutputs | None = None,
-                 tools: ToolUse | None = None) -> Response:
+                 echo: Echo | None, constraint: StructuredOutputs | None = None,
+                 tools: ToolUse | None = None, prompt_logprobs: int | None = None) -> Response:
     public_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, state.prompts.vocab_size, constraint)
+    requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, state.prompts.vocab_size, constraint,
+                                 prompt_logprobs)
     state.check_can_take()  # tokenizing took a while: look again before publishing
     generation = await state.client.submit(public_id, requests)
     watcher = asyncio.create_task(_abort_on_disconnect(http, generation))

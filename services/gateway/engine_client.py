@@ -43,6 +43,7 @@ class Event(GenerateEvent, frozen=True, omit_defaults=True):
     (shape of `orca generate`'s output: token_id, logprob, top_logprobs [{token_id, logprob}])."""
 
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 event_decoder = msgspec.json.Decoder(Event)

@@ -196,7 +196,10 @@ class CompletionRequest(SamplingFields):
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
-    """Return the prompt in front of the completion."""
+    """Return the prompt in front of the completion (with logprobs, the prompt's too; with max_tokens 0, the
+    prompt alone)."""
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    """0 only with echo."""
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     """Accepted only when equal to n."""
 

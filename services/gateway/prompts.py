@@ -132,11 +132,6 @@ def check_unsupported(request: SamplingFields) -> None:
     """Fields accepted for compatibility but only in their neutral form."""
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
-        # OpenAI's answer starts with the prompt's tokens and their log-probabilities: without them the
-        # offsets and a client's sums (lm-eval's loglikelihood) would be wrong, not merely shorter
-        raise APIError(400, "echo with logprobs is not supported: the engine returns the log-probabilities of "
-                            "generated tokens only, not the prompt's", param="echo")
     if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
         raise APIError(400, "best_of must equal n (beam search and best-of are not supported)", param="best_of")
     if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
@@ -157,8 +152,8 @@ def logit_bias(request: SamplingFields, vocab_size: int) -> dict[int, float] | N
 
 
 def generate_requests(public_id: str, request: SamplingFields, prompts: list[PromptInput], max_tokens: list[int],
-                      logprobs: int | None, vocab_size: int,
-                      constraint: StructuredOutputs | None = None) -> list[GenerateRequest]:
+                      logprobs: int | None, vocab_size: int, constraint: StructuredOutputs | None = None,
+                      prompt_logprobs: int | None = None) -> list[GenerateRequest]:
     """`constraint`: what every output must match (checked already: `constraints.output_constraint`)."""
     bias = logit_bias(request, vocab_size)
     bad = next((t for t in request.stop_token_ids or () if t >= vocab_size), None)
@@ -176,6 +171,7 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos, min_tokens=request.min_tokens,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
                 priority=request.priority)

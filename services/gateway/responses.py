@@ -31,6 +31,8 @@ class Choice:
     stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[Any] = field(default_factory=list)
+    prompt_logprobs: list[Any] | None = None
+    """With echo and logprobs: one per prompt token after the first."""
     started: bool = False
     """A stream has sent this choice's first chunk."""
 
@@ -39,27 +41,47 @@ class Choice:
         self.num_tokens += len(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs = event.prompt_logprobs
         if event.finish_reason is not None:
             self.finish_reason, self.error, self.stop_reason = event.finish_reason, event.error, event.stop_reason
             if event.usage is not None:
                 self.num_tokens = event.usage.completion_tokens
 
 
-def usage(prompt_lens: list[int], choices: list[Choice]) -> dict:
+def usage(prompt_lens: list[int], choices: list[Choice], generated: bool = True) -> dict:
+    """`generated` False: an echo of the prompt alone (max_tokens 0), whose one engine token is not returned."""
     prompt = sum(prompt_lens)
-    completion = sum(c.num_tokens for c in choices)
+    completion = sum(c.num_tokens for c in choices) if generated else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+@dataclass
+class Echo:
+    """A completion's prompt in front of each choice: its text and, with logprobs, its first token (which
+    has no logprob) before the prompt logprobs the engine sent. `only`: max_tokens 0, the prompt alone."""
+
+    texts: list[str]
+    first_tokens: list[int]
+    only: bool = False
+
+
 def completion_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
-                        echo: list[str] | None, token_text: TokenText, want_logprobs: bool) -> dict:
-    return {
-        "id": public_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": (echo[i] if echo else "") + "".join(c.text),
-                     "logprobs": completion_logprobs(c.logprobs, token_text) if want_logprobs and c.logprobs else None,
-                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
-        "usage": usage(prompt_lens, choices),
-    }
+                        echo: Echo | None, token_text: TokenText, want_logprobs: bool) -> dict:
+    out = []
+    for i, c in enumerate(choices):
+        generated = not (echo and echo.only)
+        logprobs = None
+        if want_logprobs:
+            prompt = echoed_logprobs(echo.first_tokens[i], c.prompt_logprobs or (), token_text) if echo else None
+            offset = text_end(prompt) if prompt else 0
+            parts = [p for p in (prompt, completion_logprobs(c.logprobs, token_text, offset) if generated else None)
+                     if p and p["tokens"]]
+            logprobs = joined(parts) if parts else None
+        out.append({"index": i, "text": (echo.texts[i] if echo else "") + ("".join(c.text) if generated else ""),
+                    "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return {"id": public_id, "object": "text_completion", "created": created, "model": model, "choices": out,
+            "usage": usage(prompt_lens, choices, generated=not (echo and echo.only))}
 
 
 def chat_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
@@ -138,6 +160,25 @@ def completion_logprobs(entries: list[Any], token_text: TokenText, offset: int =
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_logprobs(first_token: int, prompt_entries: list[Any] | tuple[()], token_text: TokenText) -> dict:
+    """The legacy shape for an echoed prompt: its first token without a logprob (null, as OpenAI and vLLM give
+    it), then the others with theirs."""
+    first = token_text(first_token)
+    rest = completion_logprobs(list(prompt_entries), token_text, len(first))
+    return joined([{"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}, rest])
+
+
+def joined(parts: list[dict]) -> dict:
+    """Legacy-shape logprobs one after the other (each part's text_offset already counts the ones before)."""
+    return {key: [v for part in parts for v in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                      "text_offset")}
+
+
+def text_end(part: dict) -> int:
+    """Where the next part's text_offset starts."""
+    return part["text_offset"][-1] + len(part["tokens"][-1]) if part["tokens"] else 0
 
 
 def chat_logprobs(entries: list[Any], token_text: TokenText, token_bytes: TokenBytes | None = None) -> dict:

@@ -63,9 +63,9 @@ MAX_REPLICAS = 5
 
 class JobResult(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """Same shape as an `orca generate` output line (engine/batch_job.py): a generation's result has the
-    fields of `completion_record`, in its order (`stop_reason`, `tool_calls`, `logprobs` and `error` only
-    when there are any); a job refused before generating (malformed, or an id that cannot name a subject) has those of
-    `error_record`: id, finish_reason and error."""
+    fields of `completion_record`, in its order (`stop_reason`, `tool_calls`, `logprobs`, `prompt_logprobs`
+    and `error` only when there are any); a job refused before generating (malformed, or an id that cannot
+    name a subject) has those of `error_record`: id, finish_reason and error."""
 
     id: str
     prompt_token_ids: list[int] | UnsetType = UNSET
@@ -78,6 +78,8 @@ class JobResult(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
     """The final event's: a request with tools whose model called any."""
     logprobs: list[EventLogprob] | None = None
     """One per token of `token_ids`, when the job asked for logprobs."""
+    prompt_logprobs: list[EventLogprob] | None = None
+    """One per prompt token after the first, when the job asked for prompt_logprobs and its first token came."""
     error: str | None = None
     metrics: dict[str, float | None] | UnsetType = UNSET
     """`queue_s`, `ttft_s` and `latency_s`, in seconds from the job's submission to `orca.v1.generate`
@@ -334,9 +336,11 @@ def job_result(job_id: str, events: list[dict], metrics: dict[str, float | None]
     text = "".join(e.get("text") or "" for e in events)
     token_logprobs = [lp for e in events for lp in e.get("logprobs") or []]
     tool_calls = final.get("tool_calls") or None
+    prompt_logprobs = next((e["prompt_logprobs"] for e in events if e.get("prompt_logprobs") is not None), None)
     return JobResult(
         id=job_id, prompt_token_ids=final.get("prompt_token_ids") or [], token_ids=tokens, text=text,
         finish_reason=final["finish_reason"], stop_reason=final.get("stop_reason"),
         tool_calls=msgspec.convert(tool_calls, list[ToolCall]) if tool_calls else None,
         logprobs=msgspec.convert(token_logprobs, list[EventLogprob]) if logprobs or token_logprobs else None,
+        prompt_logprobs=msgspec.convert(prompt_logprobs, list[EventLogprob]) if prompt_logprobs is not None else None,
         error=final.get("error"), metrics=metrics)

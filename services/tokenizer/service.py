@@ -76,6 +76,8 @@ class Taken:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """With the first token of a request that asked for them."""
     reason: FinishReason | None = None
     error: str | None = None
     retry: bool = False
@@ -247,9 +249,10 @@ class TokenizerService:
         if taken.stop_string:
             await self.nc.publish(subjects.CANCEL, Codec.encode(Cancel(request_id, FinishReason.STOP)))
         logprobs = event_logprobs(taken.logprobs) if taken.logprobs else None
+        prompt_logprobs = event_logprobs(taken.prompt_logprobs) if taken.prompt_logprobs is not None else None
         if taken.reason is None:
             await self._publish_event(state, GenerateEvent(request_id, taken.token_ids, taken.text, None,
-                                                           logprobs=logprobs))
+                                                           logprobs=logprobs, prompt_logprobs=prompt_logprobs))
             return
         self._ended(request_id, state)
         self.telemetry.on_final(state.trace, taken.reason, len(state.prompt_token_ids), state.num_generated,
@@ -261,7 +264,8 @@ class TokenizerService:
             request_id, taken.token_ids, text, taken.reason.label,
             error=taken.error, usage=Usage(len(state.prompt_token_ids), state.num_generated),
             # not on an error: the prompt may be what was wrong (millions of ids, past NATS's max_payload)
-            prompt_token_ids=None if failed else state.prompt_token_ids, logprobs=logprobs, tool_calls=tool_calls,
+            prompt_token_ids=None if failed else state.prompt_token_ids, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, tool_calls=tool_calls,
             stop_reason=state.detokenizer.stop_reason if taken.reason is FinishReason.STOP else None,
             retry=taken.retry))
 
@@ -277,6 +281,8 @@ class TokenizerService:
             state.num_generated += n
             taken.token_ids += output.new_token_ids[:n]
             taken.logprobs += (output.logprobs or ())[:n]
+            if output.prompt_logprobs is not None:
+                taken.prompt_logprobs = output.prompt_logprobs
             # A stop string that completes on the last token max_tokens allows still ends the text: stop.
             if state.detokenizer.stopped and output.finish_reason in (None, FinishReason.LENGTH):
                 taken.reason, taken.stop_string = FinishReason.STOP, output.finish_reason is None

@@ -86,7 +86,8 @@ class FakeEngineClient:
                     request.id, ids, text, self.finish_reason if last else None,
                     usage=Usage(len(request.prompt_token_ids or ()), sum(len(e[1]) for e in events)) if last else None,
                     logprobs=[{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in ids]
-                    if request.logprobs is not None else None)
+                    if request.logprobs is not None else None,
+                    prompt_logprobs=prompt_logprobs(request) if i == 0 else None)
                 if self.spacing_s:
                     asyncio.get_running_loop().call_later(self.spacing_s * i, generation.deliver, index, event)
                 else:
@@ -97,6 +98,14 @@ class FakeEngineClient:
 
     def forget(self, generation: Generation) -> None:
         pass
+
+
+def prompt_logprobs(request: GenerateRequest) -> list[dict] | None:
+    """What an engine sends for a prompt: each token after the first at -2, and (with k) the next id at -3."""
+    if request.prompt_logprobs is None:
+        return None
+    top = [{"token_id": 0, "logprob": -3.0}] if request.prompt_logprobs else []
+    return [{"token_id": t, "logprob": -2.0, "top_logprobs": top} for t in (request.prompt_token_ids or [])[1:]]
 
 
 def fake_gateway(script: Script, finish_reason: str = "stop",

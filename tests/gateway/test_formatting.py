@@ -10,7 +10,7 @@ from services.gateway.engine_client import Event, StatusBoard
 from services.gateway.errors import APIError, from_generation_error
 from services.gateway.openai_types import ChatCompletionResponse, CompletionResponse
 from services.gateway.prompts import resolve_max_tokens
-from services.gateway.responses import Choice, chat_logprobs, chat_response, completion_logprobs, completion_response
+from services.gateway.responses import Choice, Echo, chat_logprobs, chat_response, completion_logprobs, completion_response
 from shared.messages import AdmissionStatus, EngineStatus, TokenizerStatus
 from tests.gateway.fakes import fake_gateway
 
@@ -84,14 +84,19 @@ def test_logprobs_in_openai_shapes():
 
 def test_whole_responses_match_their_models():
     choice = Choice()
-    for event in (Event("r-0", [1], "a", None, logprobs=ENTRIES[:1]),
-                  Event("r-0", [3], "é", "length", logprobs=ENTRIES[1:], usage={"prompt_tokens": 3,
+    prompt = [{"token_id": 3, "logprob": -0.5, "top_logprobs": []}]  # the prompt is [1, 3]
+    for event in (Event("r-0", [1], "a", None, logprobs=ENTRIES[:1], prompt_logprobs=prompt),
+                  Event("r-0", [3], "é", "length", logprobs=ENTRIES[1:], usage={"prompt_tokens": 2,
                                                                                   "completion_tokens": 2})):
         choice.add(msgspec.convert(msgspec.to_builtins(event), Event))
-    body = completion_response("cmpl-1", 1, "m", [choice], [3], ["p: "], TOKENS.get, True)
+    body = completion_response("cmpl-1", 1, "m", [choice], [2], Echo(["p: "], [1]), TOKENS.get, True)
     CompletionResponse.model_validate(body)
-    assert body["choices"][0]["text"] == "p: aé" and body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2,
-                                                                        "total_tokens": 5}
+    assert body["choices"][0]["text"] == "p: aé" and body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
+                                                                        "total_tokens": 4}
+    lp = body["choices"][0]["logprobs"]
+    assert lp["tokens"] == [TOKENS[1], TOKENS[3], TOKENS[1], TOKENS[3]]
+    assert lp["token_logprobs"][:2] == [None, -0.5] and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [0, len(TOKENS[1]), len(TOKENS[1] + TOKENS[3]), len(TOKENS[1] * 2 + TOKENS[3])]
     chat = chat_response("chatcmpl-1", 1, "m", [choice], [3], TOKENS.get, True)
     ChatCompletionResponse.model_validate(chat)
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "aé"}

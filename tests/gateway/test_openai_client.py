@@ -151,6 +151,35 @@ def test_logprobs_reach_the_client(client, expected):
     assert len(content) == 5 and all(len(c.top_logprobs) == 3 for c in content)
 
 
+def test_an_echoed_prompt_is_scored_as_transformers_scores_it(client, demo_model):
+    """lm-eval-harness's loglikelihood request (echo, logprobs 1, max_tokens 1, temperature 0): the prompt's
+    tokens with their logprobs (the first null) and the top one, as transformers gives them; then with
+    max_tokens 0, the prompt alone and the same figures."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.tokenizer import load_tokenizer
+
+    ids = load_tokenizer(demo_model).encode("The quick brown fox jumps over the lazy dog")
+    model = AutoModelForCausalLM.from_pretrained(demo_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    scored = []
+    for max_tokens in (1, 0):
+        out = client.completions.create(model=MODEL_NAME, prompt=ids, echo=True, logprobs=1, max_tokens=max_tokens,
+                                        temperature=0)
+        lp = out.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + max_tokens and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert out.usage.completion_tokens == max_tokens
+        for position in range(1, len(ids)):
+            assert lp.token_logprobs[position] == pytest.approx(expected[position - 1, ids[position]].item(), abs=2e-4)
+            best = int(expected[position - 1].argmax())
+            assert max(lp.top_logprobs[position].values()) == pytest.approx(expected[position - 1, best].item(),
+                                                                             abs=2e-4)
+        scored.append(lp.token_logprobs[:len(ids)])
+    assert scored[0] == pytest.approx(scored[1], abs=1e-6)
+
+
 @pytest.mark.parametrize("example", ["openai_client.py", "structured_outputs.py"])
 def test_the_readme_examples_run_against_the_gateway(gateway, example):
     """Each checks its own results (a schema, a regex, a tool call): the README calls them runnable."""

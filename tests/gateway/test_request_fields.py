@@ -145,16 +145,6 @@ def test_a_seed_outside_64_bits_is_refused(seed):
     assert error_of(post(C, {"prompt": "hi", "seed": seed})[0])["param"] == "seed"
 
 
-def test_echo_with_logprobs_is_refused_rather_than_answered_without_the_prompt():
-    response, client = post(C, {"prompt": "hi", "echo": True, "logprobs": 1})
-    error = error_of(response)
-    assert error["param"] == "echo" and "prompt" in error["message"] and client.submitted == []
-    echoed, _ = post(C, {"prompt": "hi", "echo": True})
-    assert echoed.json()["choices"][0]["text"] == "hiok"
-    with_logprobs, _ = post(C, {"prompt": "hi", "logprobs": 1})
-    assert with_logprobs.status_code == 200 and json.dumps(with_logprobs.json()["choices"][0]["logprobs"])
-
-
 def test_logit_bias_reaches_the_engine_by_token_id():
     response, client = post(C, {"prompt": "hi", "logit_bias": {"42": 100, "7": -2.5}})
     assert response.status_code == 200, response.text

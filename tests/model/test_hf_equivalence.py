@@ -128,6 +128,55 @@ def test_logprobs_agree_with_transformers_float32(checkpoint):
                 assert value == pytest.approx(expected[step, token_id].item(), abs=2e-4)
 
 
+@pytest.mark.parametrize("policy,chunked,prefix", [("orca", False, False), ("paged", True, True),
+                                                   ("static", False, False)])
+def test_prompt_logprobs_agree_with_transformers_float32(checkpoint, policy, chunked, prefix):
+    """vLLM's prompt_logprobs: for every prompt token after the first, its logprob given the tokens before it
+    and the top 3 there, as transformers scores the prompt; also when the prompt is computed in chunks
+    (24-token iterations), beside requests that reuse a cached prefix (these never do: every position is
+    needed), and in lockstep batches. A request that asks for none gets none."""
+    from transformers import AutoModelForCausalLM
+
+    if policy != "orca" and checkpoint[0] != "llama":
+        pytest.skip("one architecture covers the other schedules")
+    arch, model_dir = checkpoint
+    prompts = workload(seed=3, n=5, shared_prefix=prefix)
+    engine = LLMEngine(EngineConfig(
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
+        scheduler=SchedulerConfig(policy=policy, max_num_seqs=4, max_num_batched_tokens=24 if chunked else None,
+                                  enable_chunked_prefill=chunked),
+        cache=CacheConfig(kv_cache_tokens=4096, block_size=4, enable_prefix_caching=prefix)))
+    done = {}
+
+    def run() -> None:
+        while engine.has_unfinished:
+            done.update({d.completion.request_id: d.completion for d in engine.step() if d.finished})
+
+    for i, (prompt, max_tokens) in enumerate(prompts):
+        wanted = None if i == 1 else 3
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                          prompt_logprobs=wanted))
+        if prefix and i == 1:  # the one without prompt logprobs caches the shared prefix for those after it
+            run()
+    run()
+    assert done["1"].prompt_logprobs is None
+    if prefix:
+        assert engine.kv_cache.prefix_hits == 0, "a request that wants prompt logprobs computed its whole prompt"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for i, (prompt, _) in enumerate(prompts):
+        if i == 1:
+            continue
+        got = done[str(i)].prompt_logprobs
+        with torch.no_grad():
+            expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        assert [lp.token_id for lp in got] == prompt[1:]
+        for position, lp in enumerate(got):
+            assert lp.logprob == pytest.approx(expected[position, prompt[position + 1]].item(), abs=2e-4)
+            top = torch.topk(expected[position], 3)
+            assert [t for t, _ in lp.top] == top.indices.tolist(), (i, position)
+            assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=2e-4)
+
+
 @pytest.mark.parametrize("policy,chunked,prefix,kv_tokens", [("orca", False, False, 4096), ("paged", True, True, 80)])
 def test_compiled_step_equals_the_eager_step_float32(checkpoint, policy, chunked, prefix, kv_tokens):
     """torch.compile'd step (model/compiled.py): the eager step's greedy tokens, logprobs within 1e-4,

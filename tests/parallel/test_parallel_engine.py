@@ -78,7 +78,8 @@ def test_two_stages_keep_two_batches_in_flight_with_different_requests(demo_mode
 
 def test_orca_generate_with_tp_and_pp_writes_the_same_results(demo_model, tmp_path):
     requests = tmp_path / "requests.jsonl"
-    requests.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 12, "temperature": 0}) + "\n"
+    requests.write_text("".join(json.dumps({"id": f"q{i}", "prompt": p, "max_tokens": 12, "temperature": 0,
+                                            **({"prompt_logprobs": 2} if i == 0 else {})}) + "\n"
                                 for i, p in enumerate(["def main():", "import os", "class A:", "x = 1"])))
 
     def run(*flags: str) -> list[dict]:
@@ -87,10 +88,17 @@ def test_orca_generate_with_tp_and_pp_writes_the_same_results(demo_model, tmp_pa
                                "--dtype", "float64", "--input", str(requests), "--output", str(out),
                                "--no-progress", *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
-        return [{k: r[k] for k in ("id", "text", "token_ids", "finish_reason")}
-                for r in map(json.loads, out.read_text().splitlines())]
+        return list(map(json.loads, out.read_text().splitlines()))
 
-    assert run("-tp", "2", "-pp", "2") == run()
+    split, whole = run("-tp", "2", "-pp", "2"), run()
+    keys = ("id", "text", "token_ids", "finish_reason")
+    assert [{k: r[k] for k in keys} for r in split] == [{k: r[k] for k in keys} for r in whole]
+    # the prompt's logprobs come from the output rank (last stage, TP rank 0), as the sampled tokens do
+    got, expected = split[0]["prompt_logprobs"], whole[0]["prompt_logprobs"]
+    assert [lp["token_id"] for lp in got] == whole[0]["prompt_token_ids"][1:] == [lp["token_id"] for lp in expected]
+    for a, b in zip(got, expected):
+        assert a["logprob"] == pytest.approx(b["logprob"], abs=1e-9)
+        assert [t["token_id"] for t in a["top_logprobs"]] == [t["token_id"] for t in b["top_logprobs"]]
 
 
 def test_a_split_the_model_does_not_allow_is_refused_before_any_worker_starts(demo_model):

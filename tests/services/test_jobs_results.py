@@ -161,6 +161,15 @@ def test_a_result_has_the_fields_of_an_orca_generate_line_logprobs_tool_calls_an
     assert 0.05 <= metrics["ttft_s"] < metrics["latency_s"], metrics  # the first token came after 2 events
 
 
+def test_a_jobs_prompt_logprobs_are_those_of_its_first_event():
+    first = {"id": "x", "token_ids": [5], "text": "a", "finish_reason": None,
+             "prompt_logprobs": [logprob(2, -0.25)]}
+    final = {"id": "x", "token_ids": [6], "text": "b", "finish_reason": "length", "prompt_token_ids": [1, 2]}
+    result = msgspec.json.decode(msgspec.json.encode(jobs.job_result("x", [first, final], {})))
+    assert result["prompt_logprobs"] == [logprob(2, -0.25)] and "prompt_logprobs" not in msgspec.json.decode(
+        msgspec.json.encode(jobs.job_result("x", [final], {})))
+
+
 def test_a_job_asking_for_logprobs_that_gets_no_token_has_an_empty_list_and_no_ttft(script):
     script["e~1"] = [(0.0, {"id": "x", "token_ids": [], "text": "", "finish_reason": "error", "error": "boom"})]
 

@@ -134,6 +134,26 @@ def test_logprobs_stay_one_per_token():
                                                      {"token_id": 99, "logprob": -5.0}]
 
 
+def test_prompt_logprobs_go_with_the_first_token_only():
+    """The engine sends them with a request's first token: the tokenizer's first event carries them (merged
+    with later tokens or not), no other event does."""
+    prompt = (TokenLogprob(2, -0.5, ((2, -0.5),)), TokenLogprob(3, -0.25, ((9, -0.1),)))
+
+    async def go():
+        service, nc = await started({"prompt_logprobs": 1})
+        await service.on_outputs(iteration(RequestOutput("r1", (10,), prompt_logprobs=prompt)))
+        await settle()
+        await service.on_outputs(iteration(token(11), token(12, FinishReason.LENGTH)))
+        await settle()
+        await service.stop_writer()
+        return nc.events()
+    events = asyncio.run(go())
+    assert events[0]["prompt_logprobs"] == [
+        {"token_id": 2, "logprob": -0.5, "top_logprobs": [{"token_id": 2, "logprob": -0.5}]},
+        {"token_id": 3, "logprob": -0.25, "top_logprobs": [{"token_id": 9, "logprob": -0.1}]}]
+    assert all("prompt_logprobs" not in e for e in events[1:]) and events[-1]["finish_reason"] == "length"
+
+
 def test_a_stop_string_ends_the_merged_event_where_it_matched():
     async def go():
         service, nc = await started({"stop": ["<12>"]})
