@@ -79,6 +79,8 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(num_blocks + compile_step, block_size)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.requests: dict[str, RequestState] = {}
+        self.scoring_prompts: set[str] = set()
+        """Requests collecting prompt logprobs: an iteration without any does not look (the hot path)."""
         # Only the rank that samples keeps grammars (structured outputs).
         self.eos_token_ids = eos_token_ids(model_dir)
         self.grammars = (GrammarMatchers(model_dir, self.arch.vocab_size, self.eos_token_ids)
@@ -147,9 +149,10 @@ class ModelRunner:
             for state, token in zip(states, tokens):
                 state.token_ids.append(token)
         prompt_logprobs = {}
-        for request_id, state in zip(batch.sampled_request_ids, states):
-            if state.prompt_logprobs is not None:  # its prompt is complete: they go with its first token
-                prompt_logprobs[request_id], state.prompt_logprobs = tuple(state.prompt_logprobs), None
+        for request_id in self.scoring_prompts.intersection(batch.sampled_request_ids):
+            state = self.requests[request_id]  # its prompt is complete: they go with its first token
+            prompt_logprobs[request_id], state.prompt_logprobs = tuple(state.prompt_logprobs or ()), None
+            self.scoring_prompts.discard(request_id)
         return self._with_grammar_news(RunnerOutput(
             sampled_token_ids=dict(zip(batch.sampled_request_ids, tokens)),
             logprobs={r: lp for r, lp in zip(batch.sampled_request_ids, logprobs) if lp is not None},
@@ -159,12 +162,14 @@ class ModelRunner:
     def _collect_prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> None:
         """The prompt logprobs of this iteration's chunk of each request that wants them: the hidden state at
         position p gives the logprob of prompt token p + 1 (the last prompt position's is the first output's)."""
+        if not self.scoring_prompts:
+            return
         row = 0
         for item in scheduled:
             state = self.requests[item.request_id]
             first = item.num_computed_tokens
             last = min(first + item.num_new_tokens, state.num_prompt_tokens - 1)
-            if state.prompt_logprobs is not None and last > first:
+            if item.request_id in self.scoring_prompts and last > first:
                 state.prompt_logprobs.extend(prompt_logprobs(
                     self.model.compute_logits, hidden[row:row + last - first], state.token_ids[first + 1:last + 1],
                     state.sampling.params.prompt_logprobs or 0))
@@ -226,6 +231,7 @@ class ModelRunner:
         grammars = self.grammars
         for request_id in scheduler_output.finished_request_ids + scheduler_output.preempted_request_ids:
             self.requests.pop(request_id, None)
+            self.scoring_prompts.discard(request_id)
             if grammars is not None:
                 grammars.close(request_id)
         if grammars is not None and scheduler_output.grammars:
@@ -233,7 +239,9 @@ class ModelRunner:
         errors: dict[str, str] = {}
         new_ids = set()
         for new in scheduler_output.new_requests:
-            self.requests[new.request_id] = self._new_state(new)
+            state = self.requests[new.request_id] = self._new_state(new)
+            if state.prompt_logprobs is not None:
+                self.scoring_prompts.add(new.request_id)
             new_ids.add(new.request_id)
             if grammars is not None and new.params.structured_outputs is not None:
                 try:
