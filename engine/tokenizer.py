@@ -108,18 +108,36 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-                            chat_template: str | None = None, turn: ChatTurn | None = None) -> list[int]:
+                            chat_template: str | None = None, turn: ChatTurn | None = None,
+                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The messages rendered for a reply. `tools`: transformers' `tools=` (the template offers them);
         `chat_template`: a `--chat-template` value for this call, over the tokenizer's own; `turn`: how the
-        prompt ends (default: an opened assistant turn)."""
+        prompt ends (default: an opened assistant turn); `template_kwargs`: vLLM's chat_template_kwargs, more
+        variables for the template (Qwen3's `enable_thinking`)."""
         template = load_chat_template(chat_template) if chat_template else self.chat_template
         if not template:
             raise ValueError("this model has no chat template; use a plain prompt (or give --chat-template)")
+        check_template_kwargs(template_kwargs)
         add, continue_final = (True, False) if turn is None else (turn.add_generation_prompt,
                                                                    turn.continue_final_message)
         ids = self._tok.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=add,
-                                            continue_final_message=continue_final, tokenize=True)
+                                            continue_final_message=continue_final, tokenize=True,
+                                            **(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+"""What the request's own fields set, or how transformers renders: not a chat_template_kwargs key."""
+
+
+def check_template_kwargs(template_kwargs: dict[str, Any] | None) -> None:
+    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {}))
+    if taken:
+        raise ValueError(f"chat_template_kwargs may not set {taken[0]!r}: the request's own fields, or the "
+                         f"rendering, decide it")
 
 
 def render_messages(tokenizer: Tokenizer, request: GenerateRequest, chat_template: str | None = None) -> list[int]:
@@ -133,7 +151,8 @@ def render_messages(tokenizer: Tokenizer, request: GenerateRequest, chat_templat
                                   for m in request.messages or ()])
     tools = template_tools(request.tools, request.tool_choice)
     try:
-        return tokenizer.apply_chat_template(messages, tools, chat_template, request.chat_turn())
+        return tokenizer.apply_chat_template(messages, tools, chat_template, request.chat_turn(),
+                                             request.chat_template_kwargs)
     except ValueError:
         raise
     except Exception as exc:  # noqa: BLE001 - a Jinja error (a template's raise_exception) is still about the messages

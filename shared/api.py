@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shared.outputs import TokenLogprob
@@ -68,6 +70,8 @@ class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
     """OpenAI's: false allows at most one tool call."""
     add_generation_prompt: bool = True
     """With messages (ChatTurn): end the prompt with an opened assistant turn."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """With messages, vLLM's: more variables for the chat template (Qwen3's `enable_thinking`)."""
     continue_final_message: bool = False
     """With messages (ChatTurn): the reply continues the last message, an assistant's."""
 
@@ -90,8 +94,8 @@ class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         check_tools(self.tools, self.tool_choice)
         if self.messages is not None:
             self.chat_turn().check(self.messages[-1].role)
-        elif not self.add_generation_prompt or self.continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message need messages")
+        elif not self.add_generation_prompt or self.continue_final_message or self.chat_template_kwargs:
+            raise ValueError("add_generation_prompt, continue_final_message and chat_template_kwargs need messages")
 
     def chat_turn(self) -> ChatTurn:
         return ChatTurn(self.add_generation_prompt, self.continue_final_message)

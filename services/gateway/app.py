@@ -186,7 +186,8 @@ def add_routes(app: FastAPI) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            tokens = (await state.prompts.for_chat(body.messages)).token_ids
+            rendered = await state.prompts.for_chat(body.messages, template_kwargs=body.chat_template_kwargs)
+            tokens = rendered.token_ids
         else:
             tokens = await state.prompts.tokens(body.prompt)
         return {"count": len(tokens), "max_model_len": state.context_len(), "tokens": tokens}

@@ -205,7 +205,8 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     tools = tool_use(body)
     constraint = output_constraint(body, tools)
     prompt = await state.prompts.for_chat(body.messages, tools.template_tools() if tools else None,
-                                          ChatTurn(body.add_generation_prompt, body.continue_final_message))
+                                          ChatTurn(body.add_generation_prompt, body.continue_final_message),
+                                          body.chat_template_kwargs)
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt.token_ids), asked, state.context_len(), None,

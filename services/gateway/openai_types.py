@@ -279,6 +279,8 @@ class ChatCompletionRequest(SamplingFields):
         "prediction": (None,), "web_search_options": (None,), "use_beam_search": (False, None),
         "prompt_logprobs": (None,)}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM extra: more variables for the chat template (Qwen3's `enable_thinking`)."""
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     """Wins over max_tokens; without either, the rest of the context."""
     logprobs: bool = False
@@ -305,6 +307,8 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     """Give exactly one of prompt or messages (rendered with the chat template, as chat does)."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """With messages: as chat's."""
 
 
 class DetokenizeRequest(Strict):

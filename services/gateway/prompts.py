@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, check_template_kwargs
 from services.gateway.errors import APIError
 from services.gateway.openai_types import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from shared.api import ChatTurn, GenerateRequest
@@ -54,12 +54,17 @@ class Prompts:
         return [PromptInput(self.checked(ids)) for ids in prompt]
 
     async def for_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
-                       turn: ChatTurn = ChatTurn()) -> PromptInput:
-        return PromptInput(await self.run(self.render_chat, messages, tools, turn))
+                       turn: ChatTurn = ChatTurn(), template_kwargs: dict[str, Any] | None = None) -> PromptInput:
+        return PromptInput(await self.run(self.render_chat, messages, tools, turn, template_kwargs))
 
     def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
-                    turn: ChatTurn = ChatTurn()) -> list[int]:
-        """The messages (and the tools offered, transformers' `tools=`) through the chat template."""
+                    turn: ChatTurn = ChatTurn(), template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The messages (and the tools offered, transformers' `tools=`) through the chat template, with the
+        request's chat_template_kwargs."""
+        try:
+            check_template_kwargs(template_kwargs)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="chat_template_kwargs") from None
         for i, message in enumerate(messages):
             try:
                 message_text(message).encode("utf-8")
@@ -69,7 +74,7 @@ class Prompts:
         dicts = template_messages([{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in messages])
         try:
             turn.check(dicts[-1]["role"])
-            return self.tokenizer.apply_chat_template(dicts, tools, turn=turn)
+            return self.tokenizer.apply_chat_template(dicts, tools, turn=turn, template_kwargs=template_kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a Jinja template error is still about the messages

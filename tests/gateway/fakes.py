@@ -28,6 +28,7 @@ class FakeTokenizer:
 
     def __init__(self) -> None:
         self.rendered: list[tuple[list[dict], list[dict] | None]] = []
+        self.template_kwargs: list[dict | None] = []
         """(messages, tools) of every chat template call."""
 
     def encode(self, text: str) -> list[int]:
@@ -37,8 +38,9 @@ class FakeTokenizer:
         return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            chat_template: str | None = None, turn=None) -> list[int]:
+                            chat_template: str | None = None, turn=None, template_kwargs=None) -> list[int]:
         self.rendered.append((messages, tools))
+        self.template_kwargs.append(template_kwargs)
         opened = "assistant:" if turn is None or turn.add_generation_prompt else ""
         return self.encode("".join(f"{m['role']}: {m.get('content')}\n" for m in messages) + opened)
 

@@ -161,3 +161,17 @@ def test_a_bad_logit_bias_is_a_400_naming_it(bias, words):
     error = error_of(response)
     assert error["param"] == "logit_bias" and words in error["message"], error
     assert client.submitted == []
+
+
+def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize():
+    """vLLM's chat_template_kwargs ({"enable_thinking": false} for Qwen3-style templates), also on /tokenize
+    (so its count is chat's); a key the rendering itself sets is a 400 naming the field."""
+    http, client, tokenizer = fake_gateway(lambda request: ["ok"])
+    kwargs = {"enable_thinking": False, "custom": [1, "x"]}
+    assert http.post(CH, json={"messages": CHAT, "chat_template_kwargs": kwargs}).status_code == 200
+    assert http.post("/tokenize", json={"messages": CHAT, "chat_template_kwargs": kwargs}).status_code == 200
+    assert tokenizer.template_kwargs == [kwargs, kwargs]
+    response = http.post(CH, json={"messages": CHAT, "chat_template_kwargs": {"add_generation_prompt": False}})
+    error = error_of(response)
+    assert error["param"] == "chat_template_kwargs" and "add_generation_prompt" in error["message"]
+    assert len(client.submitted) == 1

@@ -201,3 +201,27 @@ def test_a_chat_template_that_rejects_the_messages_is_a_clear_error_where_reques
     events = asyncio.run(go())
     assert len(events) == 1 and events[0]["finish_reason"] == "error", events
     assert "Conversation roles must start with user" in events[0]["error"]
+
+
+THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}assistant:")
+
+
+def test_chat_template_kwargs_reach_the_template_in_every_place_that_renders_chats():
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking): variables for the template, from the gateway
+    and from a NATS or `orca generate` request alike; a key the rendering itself sets is refused by name."""
+    tokenizer = Tokenizer(byte_tokenizer(THINKING))
+
+    def text(**kwargs) -> str:
+        return tokenizer.decode(tokenizer.apply_chat_template(CHAT, **kwargs))
+
+    assert text() == "user: hi\nassistant:"
+    assert text(template_kwargs={"enable_thinking": False}) == "user: hi\n<no-think>assistant:"
+    request = decode_generate_request(json.dumps({"id": "r", "messages": CHAT,
+                                                  "chat_template_kwargs": {"enable_thinking": False}}).encode())
+    assert tokenizer.decode(render_messages(tokenizer, request)) == "user: hi\n<no-think>assistant:"
+    for key in ("add_generation_prompt", "tokenize", "messages", "tools"):
+        with pytest.raises(ValueError, match=f"chat_template_kwargs may not set '{key}'"):
+            text(template_kwargs={key: True})
+    with pytest.raises(ValueError, match="chat_template_kwargs need messages"):
+        decode_generate_request(b'{"id": "r", "prompt": "x", "chat_template_kwargs": {"enable_thinking": false}}')

@@ -43,7 +43,7 @@ class CharTokenizer:
     def decode(self, token_ids) -> str:
         return "".join(chr(t) for t in token_ids)
 
-    def apply_chat_template(self, messages, tools=None, chat_template=None, turn=None) -> list[int]:
+    def apply_chat_template(self, messages, tools=None, chat_template=None, turn=None, template_kwargs=None) -> list[int]:
         self.tools.append(tools)
         return self.encode("".join(m.get("content") or "" for m in messages))
 
