@@ -42,6 +42,24 @@ from shared.api import ChatTurn
 from shared.structured import StructuredOutputs
 
 
+@dataclass(frozen=True)
+class Extras:
+    """vLLM's fields that shape an answer: the token ids beside the text (return_token_ids: `prompt_ids` per
+    prompt), logprobs naming token ids (return_tokens_as_token_ids), usage on every chunk
+    (stream_options.continuous_usage_stats)."""
+
+    prompt_ids: list[list[int]] | None = None
+    tokens_as_ids: bool = False
+    continuous_usage: bool = False
+
+    @staticmethod
+    def of(body: CompletionRequest | ChatCompletionRequest, prompts: list[PromptInput]) -> Extras:
+        options = body.stream_options
+        return Extras([p.token_ids for p in prompts] if body.return_token_ids else None,
+                      body.return_tokens_as_token_ids,
+                      bool(options and options.include_usage and options.continuous_usage_stats))
+
+
 @dataclass
 class Call:
     """One HTTP call being answered: its requests' events and what has been sent of them."""
@@ -55,9 +73,16 @@ class Call:
     want_logprobs: bool
     include_usage: bool
     tools: ToolUse | None = None
+    extras: Extras = Extras()
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
+        self.per_prompt = len(self.generation.requests) // len(self.prompt_lens)
+        """Choices per prompt (n): choice i answers prompt i // per_prompt."""
+        if self.extras.tokens_as_ids:
+            self.token_text, self.token_bytes = _token_id_text, None
+        else:
+            self.token_text, self.token_bytes = self.state.token_text, self.state.token_bytes
         self.model = self.state.settings.model_name
         self.choices = [Choice() for _ in self.generation.requests]
         self.tool_streams = [ToolStream(self.tools) for _ in self.choices] if self.tools else None
@@ -65,11 +90,15 @@ class Call:
         """Logprobs of text a tool stream holds back, to go with the next delta it sends."""
 
     def response(self) -> dict:
+        ids = self.extras.prompt_ids
         if self.chat:
             return chat_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
-                                 self.state.token_text, self.want_logprobs, self.tools, self.state.token_bytes)
+                                 self.token_text, self.want_logprobs, self.tools, self.token_bytes,
+                                 ids[0] if ids is not None else None)
         return completion_response(self.public_id, self.created, self.model, self.choices, self.prompt_lens,
-                                   self.echo, self.state.token_text, self.want_logprobs)
+                                   self.echo, self.token_text, self.want_logprobs,
+                                   [ids[i // self.per_prompt] for i in range(len(self.choices))]
+                                   if ids is not None else None)
 
     def chunks(self, index: int, event: Event) -> list[dict]:
         choice = self.choices[index]
@@ -88,15 +117,20 @@ class Call:
             return []
         parts, offset = [], choice.token_text_len
         if first and echo and self.want_logprobs:  # the prompt's own, in front of the first token's
-            parts.append(echoed_logprobs(echo.first_tokens[index], event.prompt_logprobs or (), self.state.token_text))
+            parts.append(echoed_logprobs(echo.first_tokens[index], event.prompt_logprobs or (), self.token_text))
             offset = text_end(parts[0])
         if logprobs and generated:
-            parts.append(completion_logprobs(logprobs, self.state.token_text, offset))
+            parts.append(completion_logprobs(logprobs, self.token_text, offset))
         lp = joined(parts) if parts else None
         if lp is not None:
             choice.token_text_len = text_end(lp)
-        return [self._with_usage(completion_chunk(self.public_id, self.created, self.model, index, text,
-                                                  event.finish_reason, lp, event.stop_reason))]
+        chunk = completion_chunk(self.public_id, self.created, self.model, index, text, event.finish_reason, lp,
+                                 event.stop_reason)
+        if self.extras.prompt_ids is not None:
+            if first:
+                chunk["choices"][0]["prompt_token_ids"] = self.extras.prompt_ids[index // self.per_prompt]
+            chunk["choices"][0]["token_ids"] = list(event.token_ids) if generated else []
+        return [self._with_usage(chunk, index)]
 
     def _chat_chunks(self, index: int, event: Event, first: bool, logprobs: list | None) -> list[dict]:
         out = [{"role": "assistant", "content": ""}] if first else []
@@ -107,16 +141,22 @@ class Call:
         else:
             deltas, logprobs = self._tool_deltas(index, event, logprobs)
             out += deltas
+        ids = self.extras.prompt_ids
+        if ids is not None and event.token_ids and not out and finish_reason is None:
+            out.append({})  # a tool stream holds the text back: the tokens still go out
         chunks = [chat_chunk(self.public_id, self.created, self.model, index, delta, None) for delta in out]
         if logprobs:
-            state = self.state
-            chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, state.token_text, state.token_bytes)
+            chunks[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, self.token_text, self.token_bytes)
         if finish_reason is not None:
             if self.tools is not None and self.tool_streams is not None and self.tool_streams[index].called:
                 finish_reason = tool_calls_finish(finish_reason, self.tools)
             chunks.append(chat_chunk(self.public_id, self.created, self.model, index, {}, finish_reason,
                                      stop_reason=event.stop_reason))
-        return [self._with_usage(c) for c in chunks]
+        if ids is not None:
+            if first:
+                chunks[0]["prompt_token_ids"] = ids[0]
+            chunks[0]["choices"][0]["token_ids"] = list(event.token_ids)
+        return [self._with_usage(c, index) for c in chunks]
 
     def _tool_deltas(self, index: int, event: Event, logprobs: list | None) -> tuple[list[dict], list | None]:
         """The deltas of a choice with tools, and the logprobs to send with them: those of text held
@@ -133,8 +173,16 @@ class Call:
             deltas = [{}]  # the last logprobs, with nothing left to say
         return deltas, pending or None
 
-    def _with_usage(self, chunk: dict) -> dict:
-        if self.include_usage:
+    def _with_usage(self, chunk: dict, index: int) -> dict:
+        """`usage` null but on the last chunk, as OpenAI sends it; with continuous_usage_stats, the choice's so far
+        (vLLM's)."""
+        if self.extras.continuous_usage:
+            prompt, completion = self.prompt_lens[index // self.per_prompt], self.choices[index].num_tokens
+            if self.echo and self.echo.only:
+                completion = 0
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                              "total_tokens": prompt + completion}
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -215,6 +263,10 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     return await _serve(state, http, body, True, [prompt], [max_tokens], logprobs, None, constraint, tools)
 
 
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def _prompt_text(state: GatewayState, prompt: PromptInput) -> str:
     return prompt.text if prompt.text is not None else state.tokenizer.decode(prompt.token_ids)
 
@@ -231,7 +283,7 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
     watcher = asyncio.create_task(_abort_on_disconnect(http, generation))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     call = Call(state, public_id, chat, generation, [len(p.token_ids) for p in prompts], echo,
-                logprobs is not None, include_usage, tools)
+                logprobs is not None, include_usage, tools, Extras.of(body, prompts))
     streaming = False
     try:
         first = await _first_event(generation)

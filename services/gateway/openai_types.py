@@ -83,6 +83,8 @@ def _optional_keys(model: type[BaseModel]) -> frozenset[str]:
 class StreamOptions(Strict):
     include_usage: bool = False
     """Send a last chunk (empty `choices`) with the usage of the whole request."""
+    continuous_usage_stats: bool = False
+    """vLLM extra: with include_usage, every chunk also carries its choice's usage so far."""
 
 
 class StructuredOutputs(Strict):
@@ -166,6 +168,12 @@ class SamplingFields(Strict):
     sampling: -100 all but bans the token, 100 all but forces it."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    """vLLM extra: the token ids beside the text: `token_ids` on each choice (and chunk), the prompt's
+    `prompt_token_ids` on each completion choice, or once on a chat response (its first chunk)."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM extra: logprobs name their tokens `token_id:<id>` (a token that is part of a character has no
+    text of its own)."""
     user: Annotated[str, Field(max_length=256)] | None = None
     """Accepted and ignored."""
     store: bool | None = None
@@ -356,6 +364,10 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids (in a stream, on the choice's first chunk)."""
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated tokens (in a stream, those of the chunk)."""
 
 
 class CompletionResponse(BaseModel):
@@ -403,6 +415,8 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's generated tokens."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -412,6 +426,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the rendered prompt."""
 
 
 class FunctionCallDelta(BaseModel):
@@ -442,6 +458,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
+    token_ids: list[int] | None = None
+    """With return_token_ids: the tokens of the event this chunk opens."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -453,6 +471,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids, on the first chunk."""
 
 
 class ModelCard(BaseModel):

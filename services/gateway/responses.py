@@ -27,6 +27,7 @@ class Choice:
     """Characters in the texts of the tokens whose logprobs were sent: where a stream's next
     `text_offset` starts (the text sent may lag behind, held back for a stop string or a character)."""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
@@ -39,6 +40,7 @@ class Choice:
     def add(self, event: Event) -> None:
         self.text.append(event.text)
         self.num_tokens += len(event.token_ids)
+        self.token_ids.extend(event.token_ids)
         if event.logprobs:
             self.logprobs.extend(event.logprobs)
         if event.prompt_logprobs is not None:
@@ -67,7 +69,9 @@ class Echo:
 
 
 def completion_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
-                        echo: Echo | None, token_text: TokenText, want_logprobs: bool) -> dict:
+                        echo: Echo | None, token_text: TokenText, want_logprobs: bool,
+                        prompt_ids: list[list[int]] | None = None) -> dict:
+    """`prompt_ids`: with return_token_ids, each choice's prompt."""
     out = []
     for i, c in enumerate(choices):
         generated = not (echo and echo.only)
@@ -80,13 +84,16 @@ def completion_response(public_id: str, created: int, model: str, choices: list[
             logprobs = joined(parts) if parts else None
         out.append({"index": i, "text": (echo.texts[i] if echo else "") + ("".join(c.text) if generated else ""),
                     "logprobs": logprobs, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        if prompt_ids is not None:
+            out[-1].update(prompt_token_ids=prompt_ids[i], token_ids=c.token_ids if generated else [])
     return {"id": public_id, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage(prompt_lens, choices, generated=not (echo and echo.only))}
 
 
 def chat_response(public_id: str, created: int, model: str, choices: list[Choice], prompt_lens: list[int],
                   token_text: TokenText, want_logprobs: bool, tools: ToolUse | None = None,
-                  token_bytes: TokenBytes | None = None) -> dict:
+                  token_bytes: TokenBytes | None = None, prompt_ids: list[int] | None = None) -> dict:
+    """`prompt_ids`: with return_token_ids, the rendered prompt."""
     out = []
     for i, c in enumerate(choices):
         message, finish_reason = chat_message("".join(c.text), c.finish_reason, tools)
@@ -94,8 +101,13 @@ def chat_response(public_id: str, created: int, model: str, choices: list[Choice
                     "logprobs": chat_logprobs(c.logprobs, token_text, token_bytes) if want_logprobs and c.logprobs
                     else None,
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-    return {"id": public_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
+        if prompt_ids is not None:
+            out[-1]["token_ids"] = c.token_ids
+    body = {"id": public_id, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(prompt_lens, choices)}
+    if prompt_ids is not None:
+        body["prompt_token_ids"] = prompt_ids
+    return body
 
 
 def chat_message(text: str, finish_reason: str | None, tools: ToolUse | None) -> tuple[dict, str | None]:

@@ -45,7 +45,7 @@ def generation(n: int = 1) -> Generation:
 
 def call_of(gen: Generation, chat: bool = False, logprobs: bool = False) -> Call:
     state = SimpleNamespace(settings=SimpleNamespace(model_name="m"), token_text=lambda t: f"<{t}>",
-                            tokens=Counter())
+                            token_bytes=lambda t: f"<{t}>".encode(), tokens=Counter())
     return Call(state, "cmpl-x", chat, gen, [2], None, logprobs, include_usage=True)
 
 
