@@ -83,8 +83,13 @@ def _draw_batch(logits: torch.Tensor, params: list[SamplingParams], generator: t
 
 
 def _apply_penalties(row: torch.Tensor, state: SamplingState) -> None:
-    """The request's logit bias, then its penalties, into its row of logits."""
+    """The request's allowed tokens, its logit bias, then its penalties, into its row of logits."""
     params = state.params
+    if params.allowed_token_ids is not None:
+        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=row.device)
+        kept = row[ids]
+        row.fill_(float("-inf"))
+        row[ids] = kept
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=row.device)
         row.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=row.dtype, device=row.device))

@@ -53,6 +53,8 @@ class SamplingKnobs(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] | None = None
     """OpenAI's: token id -> a bias in [-100, 100] added to its logit before the penalties and sampling
     (-100 all but bans the token, 100 all but forces it). Logprobs stay those of the raw distribution."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """vLLM's: only these tokens can be sampled (logprobs stay those of the raw distribution)."""
 
     def output_limit(self, prompt_len: int, max_model_len: int) -> int:
         """Most tokens a request with a prompt this long may generate: max_tokens, within the context."""
@@ -80,6 +82,7 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         """Whether its logits change before sampling (a bias or a penalty): the sampler's per-row path."""
         return (
             bool(self.logit_bias)
+            or self.allowed_token_ids is not None
             or self.min_tokens > 0
             or self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
@@ -88,7 +91,8 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Raise ValueError if a token id it names is outside the vocabulary (the sampler would index past it)."""
-        for field, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids)):
+        for field, ids in (("logit_bias", self.logit_bias or ()), ("stop_token_ids", self.stop_token_ids),
+                           ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
                 raise ValueError(f"{field} token id {bad} is outside the vocabulary [0, {vocab_size})")
@@ -127,6 +131,10 @@ class SamplingParams(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
         _check(_finite(self.frequency_penalty) and -2.0 <= self.frequency_penalty <= 2.0,
                "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         _check_logit_bias(self.logit_bias or {})
+        _check(self.allowed_token_ids is None or (
+            len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                    for t in self.allowed_token_ids)),
+               "allowed_token_ids", self.allowed_token_ids, "must be a non-empty list of token ids")
         params = self
         if self.top_k == -1:
             params = msgspec.structs.replace(params, top_k=0)

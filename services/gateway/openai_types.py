@@ -143,6 +143,8 @@ class SamplingFields(Strict):
     stop: Stop = None
     stop_token_ids: list[TokenId] | None = None
     """vLLM extra."""
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    """vLLM extra: only these tokens can be sampled."""
     skip_special_tokens: bool = True
     """vLLM extra: special tokens are left out of the text (their ids and logprobs stay)."""
     include_stop_str_in_output: bool = False

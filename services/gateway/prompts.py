@@ -161,10 +161,10 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                       prompt_logprobs: int | None = None) -> list[GenerateRequest]:
     """`constraint`: what every output must match (checked already: `constraints.output_constraint`)."""
     bias = logit_bias(request, vocab_size)
-    bad = next((t for t in request.stop_token_ids or () if t >= vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})",
-                       param="stop_token_ids")
+    for field in ("stop_token_ids", "allowed_token_ids"):
+        bad = next((t for t in getattr(request, field) or () if t >= vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=field)
     out = []
     for p, prompt in enumerate(prompts):
         for j in range(request.n):
@@ -179,6 +179,7 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 prompt_logprobs=prompt_logprobs,
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
+                allowed_token_ids=tuple(request.allowed_token_ids) if request.allowed_token_ids else None,
                 priority=request.priority)
             try:
                 generate.sampling_params()

@@ -265,6 +265,18 @@ async def _until_engine(gateway, condition, timeout_s: float = 30.0) -> None:
         assert time.monotonic() < deadline, f"engine status never got there: {statuses}"
 
 
+def test_the_engine_draws_only_allowed_tokens_and_the_answer_names_them(http):
+    """vLLM's allowed_token_ids through the whole stack (sampled at temperature 1), and return_token_ids's
+    ids equal what the text says; a stream gives the same ids."""
+    body = completion(prompt="x", max_tokens=12, temperature=1.0, seed=3, ignore_eos=True,
+                      allowed_token_ids=[40, 41, 42], return_token_ids=True)
+    choice = http.post(C, json=body).json()["choices"][0]
+    assert len(choice["token_ids"]) == 12 and set(choice["token_ids"]) <= {40, 41, 42}
+    assert choice["prompt_token_ids"] == http.post(TOK, json={"prompt": "x"}).json()["tokens"]
+    streamed = sse_events(http.post(C, json={**body, "stream": True}).content)[:-1]
+    assert [t for c in streamed for t in c["choices"][0].get("token_ids") or []] == choice["token_ids"]
+
+
 def test_clients_that_go_away_are_aborted_and_free_their_kv(gateway):
     async def go():
         nc = await nats.connect(gateway.nats_url)

@@ -175,3 +175,11 @@ def test_chat_template_kwargs_reach_the_template_on_chat_and_tokenize():
     error = error_of(response)
     assert error["param"] == "chat_template_kwargs" and "add_generation_prompt" in error["message"]
     assert len(client.submitted) == 1
+
+
+def test_allowed_token_ids_reach_the_engine_and_must_be_in_the_vocabulary():
+    response, client = post(C, {"prompt": "hi", "allowed_token_ids": [5, 7]})
+    assert response.status_code == 200 and client.submitted[0].allowed_token_ids == (5, 7)
+    error = error_of(post(C, {"prompt": "hi", "allowed_token_ids": [5, 10 ** 6]})[0])
+    assert error["param"] == "allowed_token_ids" and "vocabulary" in error["message"]
+    assert error_of(post(CH, {"messages": CHAT, "allowed_token_ids": []})[0])["param"] == "allowed_token_ids"

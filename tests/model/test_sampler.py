@@ -97,6 +97,24 @@ def test_logit_bias_bans_and_forces_tokens_and_comes_before_the_penalties():
         "logprobs stay those of the raw distribution"
 
 
+def test_allowed_token_ids_are_the_only_tokens_drawn_greedy_or_not_and_logprobs_stay_raw():
+    """vLLM's allowed_token_ids, beside a row without them (batched draws and seeded ones alike)."""
+    row = [3.0, 2.0, 1.0, 0.5, 0.0]
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=(2, 4), logprobs=0)
+    tokens, logprobs = sample(torch.tensor([row] * 2), [state(allowed), state(SamplingParams(temperature=0.0))],
+                              torch.Generator())
+    assert tokens == [2, 0]
+    assert math.isclose(logprobs[0].logprob, torch.log_softmax(torch.tensor(row).double(), -1)[2].item(), rel_tol=1e-9)
+    assert set(draw(row, SamplingParams(temperature=1.0, allowed_token_ids=(1, 3)))) == {1, 3}
+    seeded = [sample(torch.tensor([row]), [state(SamplingParams(temperature=1.0, allowed_token_ids=(0, 4)), seed=s)],
+                     torch.Generator())[0][0] for s in range(40)]
+    assert set(seeded) == {0, 4}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=()).validate()
+    with pytest.raises(ValueError, match=r"allowed_token_ids token id 9 is outside the vocabulary \[0, 5\)"):
+        SamplingParams(allowed_token_ids=(1, 9)).check_vocabulary(5)
+
+
 def test_a_logit_bias_past_the_vocabulary_is_refused_before_it_reaches_a_sampler():
     SamplingParams(logit_bias={99: 1.0}).check_vocabulary(100)
     with pytest.raises(ValueError, match=r"logit_bias token id 100 is outside the vocabulary \[0, 100\)"):
