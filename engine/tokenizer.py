@@ -69,8 +69,9 @@ class Tokenizer:
         self.chat_template: str | None = (load_chat_template(chat_template) if chat_template
                                           else getattr(hf_tokenizer, "chat_template", None) or None)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens`: the tokenizer's own around the text (a BOS), as transformers' default."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     @functools.lru_cache(maxsize=65_536)  # noqa: B019 - one tokenizer per process, a vocabulary's worth of entries
     def token_bytes(self, token_id: int) -> bytes:
@@ -109,20 +110,21 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
                             chat_template: str | None = None, turn: ChatTurn | None = None,
-                            template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                            template_kwargs: dict[str, Any] | None = None,
+                            documents: list[dict[str, Any]] | None = None) -> list[int]:
         """The messages rendered for a reply. `tools`: transformers' `tools=` (the template offers them);
         `chat_template`: a `--chat-template` value for this call, over the tokenizer's own; `turn`: how the
         prompt ends (default: an opened assistant turn); `template_kwargs`: vLLM's chat_template_kwargs, more
-        variables for the template (Qwen3's `enable_thinking`)."""
+        variables for the template (Qwen3's `enable_thinking`); `documents`: for a retrieval template."""
         template = load_chat_template(chat_template) if chat_template else self.chat_template
         if not template:
             raise ValueError("this model has no chat template; use a plain prompt (or give --chat-template)")
         check_template_kwargs(template_kwargs)
         add, continue_final = (True, False) if turn is None else (turn.add_generation_prompt,
                                                                    turn.continue_final_message)
-        ids = self._tok.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=add,
-                                            continue_final_message=continue_final, tokenize=True,
-                                            **(template_kwargs or {}))
+        ids = self._tok.apply_chat_template(messages, tools=tools, documents=documents, chat_template=template,
+                                            add_generation_prompt=add, continue_final_message=continue_final,
+                                            tokenize=True, **(template_kwargs or {}))
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 

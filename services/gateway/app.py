@@ -186,10 +186,12 @@ def add_routes(app: FastAPI) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
+            if body.add_special_tokens:
+                raise APIError(400, t.NOT_SUPPORTED["add_special_tokens"], param="add_special_tokens")
             rendered = await state.prompts.for_chat(body.messages, template_kwargs=body.chat_template_kwargs)
             tokens = rendered.token_ids
         else:
-            tokens = await state.prompts.tokens(body.prompt)
+            tokens = await state.prompts.tokens(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         return {"count": len(tokens), "max_model_len": state.context_len(), "tokens": tokens}
 
     @app.post("/detokenize", response_model=t.DetokenizeResponse, responses=ERRORS)

@@ -31,7 +31,7 @@ from services.gateway.constraints import ToolUse, output_constraint, tool_use
 from services.gateway.engine_client import Event, Generation, coalesce
 from services.gateway.errors import APIError, error_body, from_generation_error
 from services.gateway.openai_types import ChatCompletionRequest, CompletionRequest
-from services.gateway.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, PromptInput, check_unsupported,
+from services.gateway.prompts import (COMPLETIONS_DEFAULT_MAX_TOKENS, PromptInput, check_unsupported, truncated,
                                       generate_requests, resolve_max_tokens)
 from services.gateway.responses import (SSE_DONE, Choice, Echo, chat_chunk, chat_logprobs, chat_response,
                                         completion_chunk, completion_logprobs, completion_response, echoed_logprobs,
@@ -229,8 +229,8 @@ async def create_completion(state: GatewayState, body: CompletionRequest, http: 
     state.check_can_take()
     check_unsupported(body)
     constraint = output_constraint(body)
-    prompts = await state.prompts.for_completion(body)
     context, capacity = state.context_len(), state.client.status.kv_capacity_tokens()
+    prompts = await state.prompts.for_completion(body, context)
     max_tokens = [resolve_max_tokens(len(p.token_ids), body.max_tokens, context, COMPLETIONS_DEFAULT_MAX_TOKENS,
                                      capacity) for p in prompts]
     echo = None
@@ -254,7 +254,8 @@ async def create_chat_completion(state: GatewayState, body: ChatCompletionReques
     constraint = output_constraint(body, tools)
     prompt = await state.prompts.for_chat(body.messages, tools.template_tools() if tools else None,
                                           ChatTurn(body.add_generation_prompt, body.continue_final_message),
-                                          body.chat_template_kwargs)
+                                          body.chat_template_kwargs, body.documents)
+    prompt = truncated(prompt, body.truncate_prompt_tokens, state.context_len())
     asked = body.max_completion_tokens or body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = resolve_max_tokens(len(prompt.token_ids), asked, state.context_len(), None,

@@ -127,6 +127,12 @@ class JsonSchemaFormat(Strict):
 ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
 
 
+VLLM_INERT: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False, None), "prompt_logprobs": (None,), "spaces_between_special_tokens": (True,),
+    "length_penalty": (1.0, 1), "bad_words": ([],), "request_id": (None,), "cache_salt": (None,)}
+"""vLLM's request fields in the values that ask for nothing this server lacks (clients that send every field)."""
+
+
 class SamplingFields(Strict):
     """What completions and chat share: OpenAI's sampling fields plus vLLM's extras."""
 
@@ -170,6 +176,8 @@ class SamplingFields(Strict):
     sampling: -100 all but bans the token, 100 all but forces it."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    """vLLM extra: keep only the prompt's last this many tokens (-1: as many as the context holds)."""
     return_token_ids: bool = False
     """vLLM extra: the token ids beside the text: `token_ids` on each choice (and chunk), the prompt's
     `prompt_token_ids` on each completion choice, or once on a chat response (its first chunk)."""
@@ -200,10 +208,11 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    inert: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "suffix": (None, ""), "use_beam_search": (False, None), "prompt_logprobs": (None,)}
+    inert: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": (None, ""), **VLLM_INERT}
     prompt: Prompt
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    add_special_tokens: bool = True
+    """vLLM extra: the tokenizer's special tokens around a text prompt (a BOS), as it adds them by default."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool = False
     """Return the prompt in front of the completion (with logprobs, the prompt's too; with max_tokens 0, the
@@ -286,11 +295,13 @@ class NamedToolChoice(Strict):
 class ChatCompletionRequest(SamplingFields):
     inert: ClassVar[dict[str, tuple[Any, ...]]] = {
         "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "audio": (None,),
-        "prediction": (None,), "web_search_options": (None,), "use_beam_search": (False, None),
-        "prompt_logprobs": (None,)}
+        "prediction": (None,), "web_search_options": (None,), "add_special_tokens": (False,), "echo": (False,),
+        "chat_template": (None,), **VLLM_INERT}
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM extra: more variables for the chat template (Qwen3's `enable_thinking`)."""
+    documents: list[dict[str, Any]] | None = None
+    """vLLM extra: documents for a retrieval-augmented chat template (transformers' `documents=`)."""
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     """Wins over max_tokens; without either, the rest of the context."""
     logprobs: bool = False
@@ -319,6 +330,9 @@ class TokenizeRequest(Strict):
     """Give exactly one of prompt or messages (rendered with the chat template, as chat does)."""
     chat_template_kwargs: dict[str, Any] | None = None
     """With messages: as chat's."""
+    add_special_tokens: bool | None = None
+    """vLLM's: with prompt, the tokenizer's special tokens around it (default true, as completions add them);
+    with messages, the chat template places them (true is refused)."""
 
 
 class DetokenizeRequest(Strict):
@@ -335,7 +349,18 @@ NOT_SUPPORTED = {
     "audio": "audio output is not supported",
     "web_search_options": "web search is not supported",
     "use_beam_search": "beam search is not supported",
-    "prompt_logprobs": "prompt_logprobs is not supported: the engine returns the log-probabilities of generated tokens",
+    "prompt_logprobs": "prompt_logprobs in vLLM's shape is not supported here: on /v1/completions, echo with "
+                       "logprobs gives the prompt's (orca generate and NATS requests take prompt_logprobs)",
+    "spaces_between_special_tokens": "spaces_between_special_tokens false is not supported: special tokens decode "
+                                     "as the tokenizer joins them",
+    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "bad_words": "bad_words is not supported: logit_bias -100 bans single tokens",
+    "request_id": "request_id is not supported: each response has its own id (and OpenTelemetry traces each request)",
+    "cache_salt": "cache_salt is not supported: with --enable-prefix-caching every request may reuse any cached prefix",
+    "add_special_tokens": "add_special_tokens true is not supported on chat: the chat template places the special "
+                          "tokens",
+    "echo": "echo is not supported on chat",
+    "chat_template": "a request's own chat_template is not supported: start the server with --chat-template",
 }
 """OpenAI's and vLLM's request fields this server does not implement, and what it says when one is sent (a
 400: ignoring them would change what the client gets without telling it)."""

@@ -43,24 +43,29 @@ class Prompts:
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
-    async def for_completion(self, request: CompletionRequest) -> list[PromptInput]:
-        prompt = request.prompt
+    async def for_completion(self, request: CompletionRequest, context: int) -> list[PromptInput]:
+        """The request's prompts as token ids, with vLLM's add_special_tokens and truncate_prompt_tokens."""
+        prompt, special = request.prompt, request.add_special_tokens
         if isinstance(prompt, str):
-            return [await self.encode(prompt)]
-        if isinstance(prompt[0], str):
-            return [await self.encode(p) for p in prompt]
-        if isinstance(prompt[0], int):
-            return [PromptInput(self.checked(prompt))]
-        return [PromptInput(self.checked(ids)) for ids in prompt]
+            prompts = [await self.encode(prompt, special)]
+        elif isinstance(prompt[0], str):
+            prompts = [await self.encode(p, special) for p in prompt]
+        elif isinstance(prompt[0], int):
+            prompts = [PromptInput(self.checked(prompt))]
+        else:
+            prompts = [PromptInput(self.checked(ids)) for ids in prompt]
+        return [truncated(p, request.truncate_prompt_tokens, context) for p in prompts]
 
     async def for_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
-                       turn: ChatTurn = ChatTurn(), template_kwargs: dict[str, Any] | None = None) -> PromptInput:
-        return PromptInput(await self.run(self.render_chat, messages, tools, turn, template_kwargs))
+                       turn: ChatTurn = ChatTurn(), template_kwargs: dict[str, Any] | None = None,
+                       documents: list[dict[str, Any]] | None = None) -> PromptInput:
+        return PromptInput(await self.run(self.render_chat, messages, tools, turn, template_kwargs, documents))
 
     def render_chat(self, messages: list[ChatMessage], tools: list[dict] | None = None,
-                    turn: ChatTurn = ChatTurn(), template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                    turn: ChatTurn = ChatTurn(), template_kwargs: dict[str, Any] | None = None,
+                    documents: list[dict[str, Any]] | None = None) -> list[int]:
         """The messages (and the tools offered, transformers' `tools=`) through the chat template, with the
-        request's chat_template_kwargs."""
+        request's chat_template_kwargs and documents."""
         try:
             check_template_kwargs(template_kwargs)
         except ValueError as exc:
@@ -74,13 +79,14 @@ class Prompts:
         dicts = template_messages([{**m.model_dump(exclude_none=True), "content": message_text(m)} for m in messages])
         try:
             turn.check(dicts[-1]["role"])
-            return self.tokenizer.apply_chat_template(dicts, tools, turn=turn, template_kwargs=template_kwargs)
+            return self.tokenizer.apply_chat_template(dicts, tools, turn=turn, template_kwargs=template_kwargs,
+                                                      documents=documents)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except Exception as exc:  # noqa: BLE001 - a Jinja template error is still about the messages
             raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
 
-    async def tokens(self, text: str, param: str = "prompt") -> list[int]:
+    async def tokens(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """The text's token ids; a 400 for text that is no Unicode (JSON lets a lone UTF-16 surrogate
         through, as "\\ud800", which the tokenizer refuses with a TypeError)."""
         try:
@@ -88,10 +94,10 @@ class Prompts:
         except UnicodeEncodeError as exc:
             raise APIError(400, f"{param} is not valid Unicode: a lone surrogate at character {exc.start}",
                            param=param) from None
-        return await self.run(self.tokenizer.encode, text)
+        return await self.run(self.tokenizer.encode, text, add_special_tokens)
 
-    async def encode(self, text: str) -> PromptInput:
-        ids = await self.tokens(text)
+    async def encode(self, text: str, add_special_tokens: bool = True) -> PromptInput:
+        ids = await self.tokens(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         return PromptInput(ids, text)
@@ -102,6 +108,15 @@ class Prompts:
             what = "prompt token id" if param == "prompt" else "token id"
             raise APIError(400, f"{what} {bad} is outside the vocabulary [0, {self.vocab_size})", param=param)
         return ids
+
+
+def truncated(prompt: PromptInput, keep: int | None, context: int) -> PromptInput:
+    """vLLM's truncate_prompt_tokens: the last `keep` tokens of the prompt (-1: of the context length); its text
+    (for echo) is then that of the tokens kept."""
+    keep = context if keep == -1 else keep
+    if keep is None or len(prompt.token_ids) <= keep:
+        return prompt
+    return PromptInput(prompt.token_ids[-keep:])
 
 
 def message_text(message: ChatMessage) -> str:
@@ -137,6 +152,9 @@ def check_unsupported(request: SamplingFields) -> None:
     """Fields accepted for compatibility but only in their neutral form."""
     if request.stream_options is not None and not request.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if request.truncate_prompt_tokens == 0:
+        raise APIError(400, "truncate_prompt_tokens must be >= 1 (or -1: as many as the context holds)",
+                       param="truncate_prompt_tokens")
     if isinstance(request, CompletionRequest) and request.best_of not in (None, request.n):
         raise APIError(400, "best_of must equal n (beam search and best-of are not supported)", param="best_of")
     if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:

@@ -29,18 +29,24 @@ class FakeTokenizer:
     def __init__(self) -> None:
         self.rendered: list[tuple[list[dict], list[dict] | None]] = []
         self.template_kwargs: list[dict | None] = []
+        self.special: list[bool] = []
+        self.documents: list[list | None] = []
         """(messages, tools) of every chat template call."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Records `add_special_tokens` (this tokenizer has no special tokens to add)."""
+        self.special.append(add_special_tokens)
         return [ord(c) for c in text]
 
     def decode(self, token_ids) -> str:
         return "".join(chr(t) for t in token_ids)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            chat_template: str | None = None, turn=None, template_kwargs=None) -> list[int]:
+                            chat_template: str | None = None, turn=None, template_kwargs=None,
+                            documents=None) -> list[int]:
         self.rendered.append((messages, tools))
         self.template_kwargs.append(template_kwargs)
+        self.documents.append(documents)
         opened = "assistant:" if turn is None or turn.add_generation_prompt else ""
         return self.encode("".join(f"{m['role']}: {m.get('content')}\n" for m in messages) + opened)
 

@@ -225,6 +225,10 @@ def test_tokenize_and_detokenize(http, demo_model):
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 1024
     bos = tokenizer.decode(tokens["tokens"][:1], skip_special_tokens=False)
     assert bos and http.post(DETOK, json={"tokens": tokens["tokens"]}).json()["prompt"] == bos + "def main():"
+    bare = http.post(TOK, json={"prompt": "def main():", "add_special_tokens": False}).json()["tokens"]
+    assert bare == tokens["tokens"][1:]  # vLLM's add_special_tokens: no BOS
+    used = http.post(C, json=completion(add_special_tokens=False, max_tokens=1)).json()["usage"]
+    assert used["prompt_tokens"] == len(bare)
     rendered = http.post(TOK, json={"messages": CHAT, "model": MODEL_NAME}).json()
     usage = http.post(CH, json=chat(max_tokens=1)).json()["usage"]
     assert rendered["count"] == usage["prompt_tokens"]

@@ -183,3 +183,50 @@ def test_allowed_token_ids_reach_the_engine_and_must_be_in_the_vocabulary():
     error = error_of(post(C, {"prompt": "hi", "allowed_token_ids": [5, 10 ** 6]})[0])
     assert error["param"] == "allowed_token_ids" and "vocabulary" in error["message"]
     assert error_of(post(CH, {"messages": CHAT, "allowed_token_ids": []})[0])["param"] == "allowed_token_ids"
+
+
+def test_add_special_tokens_and_truncate_prompt_tokens_shape_the_prompt():
+    """vLLM's add_special_tokens (completions and /tokenize: the tokenizer's own, as by default) and
+    truncate_prompt_tokens (the prompt's last k tokens, -1 as many as the context holds; an echo then echoes
+    what was kept)."""
+    http, client, tokenizer = fake_gateway(lambda request: ["ok"])
+    http.post(C, json={"prompt": "hi", "add_special_tokens": False})
+    http.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False})
+    http.post(C, json={"prompt": "hi"})
+    assert tokenizer.special == [False, False, True]
+    echoed = http.post(C, json={"prompt": "hello", "truncate_prompt_tokens": 3, "echo": True}).json()
+    assert client.submitted[-1].prompt_token_ids == [ord(c) for c in "llo"] and echoed["choices"][0]["text"] == "llook"
+    assert echoed["usage"]["prompt_tokens"] == 3
+    http.post(CH, json={"messages": CHAT, "truncate_prompt_tokens": 2})
+    assert len(client.submitted[-1].prompt_token_ids) == 2
+    http.post(C, json={"prompt": "hello", "truncate_prompt_tokens": -1})
+    assert client.submitted[-1].prompt_token_ids == [ord(c) for c in "hello"]
+    assert error_of(http.post(C, json={"prompt": "hi", "truncate_prompt_tokens": 0}))["param"] == "truncate_prompt_tokens"
+    refused = error_of(http.post("/tokenize", json={"messages": CHAT, "add_special_tokens": True}))
+    assert refused["param"] == "add_special_tokens"
+
+
+def test_documents_reach_a_retrieval_chat_template():
+    http, client, tokenizer = fake_gateway(lambda request: ["ok"])
+    documents = [{"title": "t", "text": "Paris is in France."}]
+    assert http.post(CH, json={"messages": CHAT, "documents": documents}).status_code == 200
+    assert tokenizer.documents == [documents]
+
+
+@pytest.mark.parametrize("path,body", [(C, {"prompt": "hi"}), (CH, {"messages": CHAT})])
+def test_vllms_fields_in_their_neutral_values_are_accepted_and_others_say_what_to_do(path, body):
+    for field, value in (("spaces_between_special_tokens", True), ("length_penalty", 1.0), ("bad_words", []),
+                         ("request_id", None), ("cache_salt", None), ("prompt_logprobs", None)):
+        response, _ = post(path, {**body, field: value})
+        assert response.status_code == 200, (field, response.text)
+    for field, value, words in (("spaces_between_special_tokens", False, "special tokens"),
+                                ("length_penalty", 0.5, "beam search"), ("bad_words", ["x"], "logit_bias"),
+                                ("request_id", "r1", "own id"), ("cache_salt", "s", "prefix"),
+                                ("prompt_logprobs", 1, "echo")):
+        error = error_of(post(path, {**body, field: value})[0])
+        assert error["param"] == field and words in error["message"], error
+    if path == CH:
+        for field, value in (("add_special_tokens", False), ("echo", False), ("chat_template", None)):
+            assert post(path, {**body, field: value})[0].status_code == 200
+        assert "template" in error_of(post(path, {**body, "add_special_tokens": True})[0])["message"]
+        assert "--chat-template" in error_of(post(path, {**body, "chat_template": "{{x}}"})[0])["message"]
