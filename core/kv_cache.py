@@ -22,7 +22,8 @@ from collections.abc import Sequence
 _FREE = 1
 _USED = 0
 
-BlockKey = tuple[int | None, tuple[int, ...]]  # (hash of the previous block's key, this block's tokens)
+BlockKey = tuple[int | str | None, tuple[int, ...]]
+"""(hash of the previous block's key, or for a first block its request's cache salt or None; its tokens)."""
 
 
 class KVCacheManager:
@@ -39,7 +40,7 @@ class KVCacheManager:
         self._key_of: dict[int, BlockKey] = {}  # cached full blocks (referenced or evictable)
         self._block_of: dict[BlockKey, int] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refs == 0 but KV kept, LRU first
-        self._registered: dict[str, tuple[int, int | None]] = {}  # per request: blocks registered, chain hash
+        self._registered: dict[str, tuple[int, int | str | None]] = {}  # per request: blocks registered, chain
         self.prefix_hits = 0
 
     # ---- figures -----------------------------------------------------------------------
@@ -110,15 +111,17 @@ class KVCacheManager:
 
     # ---- prefix reuse ------------------------------------------------------------------
 
-    def share_cached_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def share_cached_prefix(self, request_id: str, token_ids: Sequence[int], salt: str | None = None) -> int:
         """Give a request that holds nothing yet the cached blocks of its longest known prefix;
         return how many tokens they cover. At least one token is always left to compute, so
-        the request still produces logits for its next token."""
+        the request still produces logits for its next token. `salt` (vLLM's cache_salt): only blocks
+        registered with the same salt are found (its first block's key holds it, and every later key
+        chains from that one)."""
         if not self.enable_prefix_caching or self._blocks.get(request_id):
             return 0
         usable = (len(token_ids) - 1) // self.block_size
         shared: list[int] = []
-        parent: int | None = None
+        parent: int | str | None = salt
         for i in range(usable):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block = self._block_of.get(key)
@@ -136,12 +139,14 @@ class KVCacheManager:
             self.prefix_hits += len(shared)
         return len(shared) * self.block_size
 
-    def register_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Make the request's blocks that are full of computed tokens findable by later requests."""
+    def register_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                             salt: str | None = None) -> None:
+        """Make the request's blocks that are full of computed tokens findable by later requests (with the
+        same `salt`)."""
         if not self.enable_prefix_caching:
             return
         blocks = self._blocks.get(request_id, [])
-        done, parent = self._registered.get(request_id, (0, None))
+        done, parent = self._registered.get(request_id, (0, salt))
         full = min(num_computed // self.block_size, len(blocks))
         for i in range(done, full):
             key = (parent, tuple(token_ids[i * self.block_size:(i + 1) * self.block_size]))

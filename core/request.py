@@ -36,6 +36,8 @@ class Request:
     finish_reason: FinishReason | None = None
     grammar_ready: bool = True
     """False while a structured-output request's grammar compiles: it waits, and is not admitted."""
+    cache_salt: str | None = None
+    """vLLM's: with prefix caching, it reuses only prefixes cached by requests with the same salt."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -391,7 +391,8 @@ class Scheduler:
         tokens = self._all_tokens(request)
         # prompt logprobs need every prompt position computed: no cached prefix for such a request (vLLM's rule)
         wants_prompt = request.params.prompt_logprobs is not None
-        request.num_computed_tokens = 0 if wants_prompt else kv.share_cached_prefix(request.request_id, tokens)
+        request.num_computed_tokens = (0 if wants_prompt else
+                                       kv.share_cached_prefix(request.request_id, tokens, request.cache_salt))
         if kv.allocate(request.request_id, self.policy.reservation(request, self.max_model_len)) is None:
             kv.free(request.request_id)  # give back the shared prefix too
             request.num_computed_tokens = 0
@@ -511,7 +512,8 @@ class Scheduler:
         kv = self.kv_cache
         if kv.enable_prefix_caching and (request.num_computed_tokens // kv.block_size
                                          > (request.num_computed_tokens - num_new) // kv.block_size):
-            kv.register_full_blocks(request.request_id, self._all_tokens(request), request.num_computed_tokens)
+            kv.register_full_blocks(request.request_id, self._all_tokens(request), request.num_computed_tokens,
+                                    request.cache_salt)
 
     @staticmethod
     def _all_tokens(request: Request) -> list[int]:

@@ -72,7 +72,7 @@ def submit_lines(engine: LLMEngine, lines: Iterable[str]) -> list[dict[str, Any]
             request = decode_generate_request(line)
             params = request.sampling_params()
             ids = engine.prompt_ids(request)
-            engine.add_request(request.id, ids, params, priority=request.priority)
+            engine.add_request(request.id, ids, params, priority=request.priority, cache_salt=request.cache_salt)
             slots.append(request)
         except ValueError as exc:
             slots.append(error_record(_line_id(line), lineno, str(exc)))

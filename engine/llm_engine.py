@@ -115,7 +115,7 @@ class LLMEngine:
         return self.tokenizer.encode(request.prompt or "")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> Completion:
+                    priority: int = 0, cache_salt: str | None = None) -> Completion:
         """Validate and queue; raises ValueError with the reason if the request cannot be served."""
         params = params.validate()
         params.check_vocabulary(self.vocab_size)
@@ -124,7 +124,8 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this checkpoint has none")
-        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority=priority)
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority=priority,
+                          cache_salt=cache_salt)
         self.scheduler.add_request(request)
         completion = Completion(request_id, list(prompt_token_ids), arrival_time=time.perf_counter(),
                                 logprobs=[] if params.logprobs is not None else None)

@@ -52,6 +52,9 @@ class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     priority: int = 0
     """Lower is served first (vLLM's convention); equal priorities are FCFS."""
+    cache_salt: str | None = None
+    """vLLM's: with prefix caching, only prefixes cached by requests with the same salt are reused (tenants
+    cannot learn each other's prompts from how fast theirs start)."""
     resume_token_ids: list[int] | None = None
     """Resending a request whose tokenizer died (no tokenizer answers `orca.v1.generate.held` for
     its id): the token ids already received. The stream continues after them, to the same reply

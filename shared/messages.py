@@ -46,6 +46,8 @@ class TokenizedRequest(msgspec.Struct, frozen=True):
     recompute, and never sends them again."""
     resumes: int = 0
     """Times this request has resumed after losing its engine (see MAX_RESUMES)."""
+    cache_salt: str | None = None
+    """vLLM's: with prefix caching, it reuses only prefixes cached by requests with the same salt."""
 
 
 class Admit(msgspec.Struct, frozen=True):

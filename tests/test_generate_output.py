@@ -40,7 +40,7 @@ class SteppedEngine:
     def prompt_ids(self, request) -> list[int]:
         return [1, 2]
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None) -> None:
         if request_id in self.running:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.running.add(request_id)

@@ -374,7 +374,8 @@ class EngineMaster:
             return RequestOutput(rid, finish_reason=FinishReason.ERROR,
                                  error=f"the engines serving this request failed {tokenized.resumes} times; giving up")
         request = Request(rid, tokenized.prompt_token_ids, tokenized.params, self.eos_token_ids,
-                          priority=tokenized.priority, output_token_ids=list(tokenized.resume_token_ids))
+                          priority=tokenized.priority, output_token_ids=list(tokenized.resume_token_ids),
+                          cache_salt=tokenized.cache_salt)
         done = finished_before_resume(request, self.max_model_len)
         if done is not None:  # its last output was lost with the engine that made it
             return RequestOutput(rid, finish_reason=done)

@@ -129,7 +129,7 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Fie
 
 VLLM_INERT: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False, None), "prompt_logprobs": (None,), "spaces_between_special_tokens": (True,),
-    "length_penalty": (1.0, 1), "bad_words": ([],), "request_id": (None,), "cache_salt": (None,)}
+    "length_penalty": (1.0, 1), "bad_words": ([],), "request_id": (None,)}
 """vLLM's request fields in the values that ask for nothing this server lacks (clients that send every field)."""
 
 
@@ -176,6 +176,9 @@ class SamplingFields(Strict):
     sampling: -100 all but bans the token, 100 all but forces it."""
     stream: bool = False
     stream_options: StreamOptions | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    """vLLM extra: with prefix caching, only prefixes cached by requests with the same salt are reused (give
+    each tenant a long random one: it cannot learn another's prompts from how fast its own start)."""
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     """vLLM extra: keep only the prompt's last this many tokens (-1: as many as the context holds)."""
     return_token_ids: bool = False
@@ -356,7 +359,6 @@ NOT_SUPPORTED = {
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "bad_words": "bad_words is not supported: logit_bias -100 bans single tokens",
     "request_id": "request_id is not supported: each response has its own id (and OpenTelemetry traces each request)",
-    "cache_salt": "cache_salt is not supported: with --enable-prefix-caching every request may reuse any cached prefix",
     "add_special_tokens": "add_special_tokens true is not supported on chat: the chat template places the special "
                           "tokens",
     "echo": "echo is not supported on chat",

@@ -198,6 +198,7 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
                 frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
                 allowed_token_ids=tuple(request.allowed_token_ids) if request.allowed_token_ids else None,
+                cache_salt=request.cache_salt,
                 priority=request.priority)
             try:
                 generate.sampling_params()

@@ -192,7 +192,8 @@ class TokenizerService:
             events=ReplayLog(first_seq=request.resume_seq))
         prime(state, resumed)
         tokenized = TokenizedRequest(request.id, prompt_ids, params, self.instance, arrival_ns / 1e9, request.priority,
-                                     trace_context=self.telemetry.traceparent(trace), resume_token_ids=resumed)
+                                     trace_context=self.telemetry.traceparent(trace), resume_token_ids=resumed,
+                                     cache_salt=request.cache_salt)
         await self._submit(tokenized)
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:

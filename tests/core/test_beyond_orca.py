@@ -75,6 +75,29 @@ def test_shared_prefix_is_computed_once():
     assert s.kv_cache.num_used_blocks == 0
 
 
+def test_a_cache_salt_shares_prefixes_only_among_requests_with_the_same_salt():
+    """vLLM's cache_salt: a tenant's requests reuse each other's prefixes; nobody else's, salted or not (the
+    first block's key holds the salt and every later key chains from it)."""
+    import dataclasses
+
+    s = make_scheduler("orca", num_blocks=64, block_size=4, enable_prefix_caching=True)
+    system = list(range(100, 112))  # three full blocks
+
+    def computed(rid: str, salt: str | None) -> int:
+        s.add_request(dataclasses.replace(make_request(rid, 0, 1, prompt=system + [1]), cache_salt=salt))
+        out = s.schedule()
+        computed = next(x for x in out.scheduled if x.request_id == rid).num_computed_tokens
+        s.update(out, fake_step(out))
+        return computed
+
+    assert computed("a", "tenant-a") == 0
+    assert computed("b", "tenant-a") == 12, "the same salt reuses"
+    assert computed("c", "tenant-b") == 0 and computed("d", None) == 0, "another salt, or none, does not"
+    assert computed("e", None) == 12 and computed("f", "tenant-b") == 12, "each reuses its own"
+    run_to_end(s)
+    s.kv_cache.check()
+
+
 def test_cached_blocks_survive_their_request_and_are_evicted_lru_when_space_is_needed():
     s = make_scheduler("paged", num_blocks=8, block_size=4, enable_prefix_caching=True, max_model_len=32)
     s.add_request(make_request("a", 0, 1, prompt=list(range(100, 109))))

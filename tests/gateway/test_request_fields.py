@@ -216,12 +216,12 @@ def test_documents_reach_a_retrieval_chat_template():
 @pytest.mark.parametrize("path,body", [(C, {"prompt": "hi"}), (CH, {"messages": CHAT})])
 def test_vllms_fields_in_their_neutral_values_are_accepted_and_others_say_what_to_do(path, body):
     for field, value in (("spaces_between_special_tokens", True), ("length_penalty", 1.0), ("bad_words", []),
-                         ("request_id", None), ("cache_salt", None), ("prompt_logprobs", None)):
+                         ("request_id", None), ("prompt_logprobs", None)):
         response, _ = post(path, {**body, field: value})
         assert response.status_code == 200, (field, response.text)
     for field, value, words in (("spaces_between_special_tokens", False, "special tokens"),
                                 ("length_penalty", 0.5, "beam search"), ("bad_words", ["x"], "logit_bias"),
-                                ("request_id", "r1", "own id"), ("cache_salt", "s", "prefix"),
+                                ("request_id", "r1", "own id"),
                                 ("prompt_logprobs", 1, "echo")):
         error = error_of(post(path, {**body, field: value})[0])
         assert error["param"] == field and words in error["message"], error
@@ -230,3 +230,9 @@ def test_vllms_fields_in_their_neutral_values_are_accepted_and_others_say_what_t
             assert post(path, {**body, field: value})[0].status_code == 200
         assert "template" in error_of(post(path, {**body, "add_special_tokens": True})[0])["message"]
         assert "--chat-template" in error_of(post(path, {**body, "chat_template": "{{x}}"})[0])["message"]
+
+
+def test_cache_salt_reaches_the_engine():
+    response, client = post(C, {"prompt": "hi", "cache_salt": "tenant-a-1f9c"})
+    assert response.status_code == 200 and client.submitted[0].cache_salt == "tenant-a-1f9c"
+    assert error_of(post(CH, {"messages": CHAT, "cache_salt": ""})[0])["param"] == "cache_salt"

@@ -8,6 +8,8 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import msgspec
+
 from core.admission import AdmissionQueue
 from core.batch import RunnerOutput, SchedulerOutput, StepResult
 from core.liveness import STALLED_OBSERVER_S, Heartbeats
@@ -264,6 +266,17 @@ def test_a_resumed_request_continues_after_its_tokens_exactly_as_an_uninterrupte
     assert second[0] == first[0][5:], "only the tokens after those it already has, the same ones"
     assert second[1] == (FinishReason.LENGTH, None)
     assert master.held == {} and master.scheduler.kv_cache.num_used_blocks == 0
+
+
+def test_an_admitted_requests_cache_salt_is_the_schedulers_to_key_its_prefix_with():
+    async def go():
+        master, bus, _, stop, task = await running_master()
+        salted = msgspec.structs.replace(request("salted", max_tokens=200), cache_salt="tenant-a")
+        await admit(master, salted, request("plain", max_tokens=200))
+        salts = {rid: r.cache_salt for rid, r in master.scheduler.requests.items()}
+        await stopped(stop, task, master)
+        return salts
+    assert asyncio.run(go()) == {"salted": "tenant-a", "plain": None}
 
 
 def test_a_request_past_the_resume_limit_ends_with_a_clear_error_and_worker_deaths_count_toward_it():

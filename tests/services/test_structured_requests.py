@@ -160,7 +160,7 @@ class ScriptedEngine:
     def prompt_ids(self, request) -> list[int]:
         return [1, 2, 3]
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None) -> None:
         self.added[request_id] = params
 
     @property

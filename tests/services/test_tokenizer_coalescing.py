@@ -154,6 +154,19 @@ def test_prompt_logprobs_go_with_the_first_token_only():
     assert all("prompt_logprobs" not in e for e in events[1:]) and events[-1]["finish_reason"] == "length"
 
 
+def test_a_requests_cache_salt_and_prompt_logprobs_travel_to_admission_with_it():
+    from shared import subjects
+    from shared.codec import Codec
+    from shared.messages import TokenizedRequest
+
+    async def go():
+        service, nc = await started({"cache_salt": "tenant-a", "prompt_logprobs": 2})
+        await service.stop_writer()
+        return [Codec(TokenizedRequest).decode(d) for d in nc.on(subjects.ADMISSION_SUBMIT)]
+    [submitted] = asyncio.run(go())
+    assert submitted.cache_salt == "tenant-a" and submitted.params.prompt_logprobs == 2
+
+
 def test_a_stop_string_ends_the_merged_event_where_it_matched():
     async def go():
         service, nc = await started({"stop": ["<12>"]})
