@@ -196,8 +196,27 @@ class HistogramData(msgspec.Struct, frozen=True, array_like=True, gc=False):
     sum: float
 
 
-NO_SAMPLES = HistogramData([], 0.0)
-"""The default of a histogram a snapshot from an older version lacks (the gateway skips it when adding up)."""
+class RequestSizes(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """vLLM's request-level token histograms: one sample per request that ended after its first token (their
+    sums are the prompt and generation counters' shares)."""
+
+    prompt_tokens: HistogramData
+    generation_tokens: HistogramData
+    max_tokens: HistogramData
+    """Of those that gave a max_tokens."""
+
+
+class RequestPhases(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """vLLM's request phases: one sample per request that ended in this engine after its first token."""
+
+    prefill: HistogramData
+    """First scheduled to first token."""
+    decode: HistogramData
+    """First token to last token."""
+    inference: HistogramData
+    """First scheduled to last token."""
+    time_per_output_token: HistogramData
+    """Decode time over the tokens after the first (requests of more than one token)."""
 
 
 class TokenizerMetrics(msgspec.Struct, frozen=True, tag="tokenizer"):
@@ -213,11 +232,8 @@ class TokenizerMetrics(msgspec.Struct, frozen=True, tag="tokenizer"):
     e2e_request_latency: HistogramData
     num_active: int
     """Requests this instance accepted that have not ended."""
-    request_prompt_tokens: HistogramData = NO_SAMPLES
-    """Per request that ended after its first token (vLLM's request-level histograms)."""
-    request_generation_tokens: HistogramData = NO_SAMPLES
-    request_max_tokens: HistogramData = NO_SAMPLES
-    """The max_tokens a request asked for (none when it set none)."""
+    request_sizes: RequestSizes | None = None
+    """None from a process of a version before them."""
 
 
 class AdmissionMetrics(msgspec.Struct, frozen=True, tag="admission"):
@@ -246,18 +262,15 @@ class EngineMetrics(msgspec.Struct, frozen=True, tag="engine"):
     kv_used_slots: int
     """Slots holding computed tokens; reserved minus used is the reservation's waste."""
     num_preemptions: int
+    """Requests sent back to wait (their KV freed) to make room."""
     iterations: int
     request_queue_time: HistogramData
+    """Arrival (at a tokenizer) to first scheduled here, once per request."""
     iteration_tokens: HistogramData
     batch_size: HistogramData
-    request_prefill_time: HistogramData = NO_SAMPLES
-    """First scheduled to first token, per request that ended here after its first token (vLLM's phases)."""
-    request_decode_time: HistogramData = NO_SAMPLES
-    """First token to last token."""
-    request_inference_time: HistogramData = NO_SAMPLES
-    """First scheduled to last token."""
-    request_time_per_output_token: HistogramData = NO_SAMPLES
-    """Decode time over the tokens after the first."""
+    """Requests per iteration."""
+    request_phases: RequestPhases | None = None
+    """None from a process of a version before them."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache (with prefix caching on)."""
     prefix_cache_hits: int = 0

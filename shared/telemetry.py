@@ -28,7 +28,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from shared.messages import HistogramData
+from shared.messages import HistogramData, RequestPhases, RequestSizes
 
 log = logging.getLogger("orca.telemetry")
 
@@ -310,6 +310,45 @@ class Histogram:
 
     def data(self) -> HistogramData:
         return HistogramData(list(self.counts), self.sum)
+
+
+class SizeHistograms:
+    """RequestSizes, as a process collects them."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.max_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+
+    def observe(self, num_prompt_tokens: int, num_generated: int, max_tokens: int | None) -> None:
+        self.prompt_tokens.observe(num_prompt_tokens)
+        self.generation_tokens.observe(num_generated)
+        if max_tokens is not None:  # null (until the context is full) gives no number
+            self.max_tokens.observe(max_tokens)
+
+    def data(self) -> RequestSizes:
+        return RequestSizes(self.prompt_tokens.data(), self.generation_tokens.data(), self.max_tokens.data())
+
+
+class PhaseHistograms:
+    """RequestPhases, as an engine collects them."""
+
+    def __init__(self) -> None:
+        self.prefill = Histogram(LATENCY_BUCKETS)
+        self.decode = Histogram(LATENCY_BUCKETS)
+        self.inference = Histogram(LATENCY_BUCKETS)
+        self.time_per_output_token = Histogram(ITL_BUCKETS)
+
+    def observe(self, prefill_s: float, decode_s: float, num_generated: int) -> None:
+        self.prefill.observe(prefill_s)
+        self.decode.observe(decode_s)
+        self.inference.observe(prefill_s + decode_s)
+        if num_generated > 1:
+            self.time_per_output_token.observe(decode_s / (num_generated - 1))
+
+    def data(self) -> RequestPhases:
+        return RequestPhases(self.prefill.data(), self.decode.data(), self.inference.data(),
+                             self.time_per_output_token.data())
 
 
 def new_source_id(kind: str) -> str:

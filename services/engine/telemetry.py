@@ -26,8 +26,8 @@ from core.batch import SchedulerOutput, StepResult
 from core.scheduler import Scheduler
 from shared.messages import EngineMetrics, TokenizedRequest
 from shared.outputs import FinishReason, RequestOutput
-from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
-                              Histogram, SnapshotPublisher, TelemetryConfig, context_from_traceparent,
+from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, LATENCY_BUCKETS, Histogram,
+                              PhaseHistograms, SnapshotPublisher, TelemetryConfig, context_from_traceparent,
                               get_tracer, new_source_id, setup_tracing, span_context_of)
 
 
@@ -62,10 +62,7 @@ class EngineTelemetry:
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.batch_size = Histogram(BATCH_SIZE_BUCKETS)
-        self.prefill_time = Histogram(LATENCY_BUCKETS)
-        self.decode_time = Histogram(LATENCY_BUCKETS)
-        self.inference_time = Histogram(LATENCY_BUCKETS)
-        self.time_per_output_token = Histogram(ITL_BUCKETS)
+        self.phases = PhaseHistograms()
         self.publisher = SnapshotPublisher(nc, self.snapshot, config.metrics_interval_s) if nc is not None else None
         self._start_publisher()  # now if built inside the event loop (the master is), else at the first hook
 
@@ -184,13 +181,8 @@ class EngineTelemetry:
         (both), and the decode time per token after the first."""
         if tracked.scheduled_ns is None or tracked.first_token_ns is None or tracked.last_token_ns is None:
             return
-        prefill = (tracked.first_token_ns - tracked.scheduled_ns) / 1e9
-        decode = (tracked.last_token_ns - tracked.first_token_ns) / 1e9
-        self.prefill_time.observe(prefill)
-        self.decode_time.observe(decode)
-        self.inference_time.observe(prefill + decode)
-        if tracked.num_generated > 1:
-            self.time_per_output_token.observe(decode / (tracked.num_generated - 1))
+        self.phases.observe((tracked.first_token_ns - tracked.scheduled_ns) / 1e9,
+                            (tracked.last_token_ns - tracked.first_token_ns) / 1e9, tracked.num_generated)
 
     def _slots(self) -> tuple[int, int]:
         """(slots holding computed tokens, slots in the blocks running requests hold)."""
@@ -209,9 +201,7 @@ class EngineTelemetry:
             block_size=kv.block_size, kv_used_blocks=kv.num_used_blocks, kv_reserved_slots=reserved_slots,
             kv_used_slots=used_slots, num_preemptions=s.num_preemptions, iterations=self.iterations,
             request_queue_time=self.queue_time.data(), iteration_tokens=self.iteration_tokens.data(),
-            batch_size=self.batch_size.data(), request_prefill_time=self.prefill_time.data(),
-            request_decode_time=self.decode_time.data(), request_inference_time=self.inference_time.data(),
-            request_time_per_output_token=self.time_per_output_token.data(),
+            batch_size=self.batch_size.data(), request_phases=self.phases.data(),
             prefix_cache_queries=s.prefix_queried_tokens, prefix_cache_hits=s.prefix_hit_tokens,
         )
 

@@ -147,14 +147,16 @@ class SystemCollector(Collector):
             ("vllm:inter_token_latency_seconds", "Time between a request's tokens.", ITL_BUCKETS,
              "inter_token_latency"),
             ("vllm:e2e_request_latency_seconds", "Arrival to final event.", LATENCY_BUCKETS, "e2e_request_latency"),
-            ("vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_COUNT_BUCKETS,
-             "request_prompt_tokens"),
-            ("vllm:request_generation_tokens", "Generated tokens per finished request.", TOKEN_COUNT_BUCKETS,
-             "request_generation_tokens"),
-            ("vllm:request_params_max_tokens", "The max_tokens of finished requests that gave one.",
-             TOKEN_COUNT_BUCKETS, "request_max_tokens"),
         ):
             yield _histogram(name, text, bounds, labels, {(self.model,): [getattr(t, field) for t in tokenizers]})
+        sizes = [t.request_sizes for t in tokenizers if t.request_sizes is not None]
+        for name, text, field in (
+            ("vllm:request_prompt_tokens", "Prompt tokens per request served.", "prompt_tokens"),
+            ("vllm:request_generation_tokens", "Generated tokens per request served.", "generation_tokens"),
+            ("vllm:request_params_max_tokens", "The max_tokens of requests served that gave one.", "max_tokens"),
+        ):
+            yield _histogram(name, text, TOKEN_COUNT_BUCKETS, labels,
+                             {(self.model,): [getattr(s, field) for s in sizes]})
         active = GaugeMetricFamily("orca:num_requests_active", "Requests accepted by tokenizers and not yet ended.",
                                    labels=labels)
         active.add_metric(key, sum(t.num_active for t in self.board.fresh_of(TokenizerMetrics, self.now)))
@@ -186,17 +188,19 @@ class SystemCollector(Collector):
             ("vllm:iteration_tokens_total", "Tokens per iteration (prefill and decode).", ITERATION_TOKEN_BUCKETS,
              "iteration_tokens"),
             ("orca:batch_size", "Requests per iteration.", BATCH_SIZE_BUCKETS, "batch_size"),
-            ("vllm:request_prefill_time_seconds", "First scheduled to first token, per request that ended in "
-                                                  "the engine after its first token.", LATENCY_BUCKETS,
-             "request_prefill_time"),
-            ("vllm:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS,
-             "request_decode_time"),
-            ("vllm:request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS,
-             "request_inference_time"),
-            ("vllm:request_time_per_output_token_seconds", "A request's decode time over its tokens after the "
-                                                           "first.", ITL_BUCKETS, "request_time_per_output_token"),
         ):
             groups = {key: [getattr(e, field) for e in snapshots] for key, snapshots in by_replica.items()}
+            yield _histogram(name, text, bounds, labels, groups)
+        for name, text, bounds, field in (
+            ("vllm:request_prefill_time_seconds", "First scheduled to first token, per request that ended in "
+                                                  "the engine after its first token.", LATENCY_BUCKETS, "prefill"),
+            ("vllm:request_decode_time_seconds", "First token to last token.", LATENCY_BUCKETS, "decode"),
+            ("vllm:request_inference_time_seconds", "First scheduled to last token.", LATENCY_BUCKETS, "inference"),
+            ("vllm:request_time_per_output_token_seconds", "A request's decode time over its tokens after the "
+                                                           "first.", ITL_BUCKETS, "time_per_output_token"),
+        ):
+            groups = {key: [getattr(e.request_phases, field) for e in snapshots if e.request_phases is not None]
+                      for key, snapshots in by_replica.items()}
             yield _histogram(name, text, bounds, labels, groups)
 
     def _admission(self) -> Iterable:

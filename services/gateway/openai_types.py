@@ -386,17 +386,22 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class ChoiceEnd(BaseModel):
+    """What every choice, whole or streamed, carries beside its content and logprobs."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason
     stop_reason: int | str | None = None
     """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
-    prompt_token_ids: list[int] | None = None
-    """With return_token_ids (in a stream, on the choice's first chunk)."""
     token_ids: list[int] | None = None
     """With return_token_ids: the choice's generated tokens (in a stream, those of the chunk)."""
+
+
+class CompletionChoice(ChoiceEnd):
+    text: str
+    logprobs: CompletionLogprobs | None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids (in a stream, on the choice's first chunk)."""
 
 
 class CompletionResponse(BaseModel):
@@ -437,15 +442,9 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(ChoiceEnd):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
-    stop_reason: int | str | None = None
-    """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
-    token_ids: list[int] | None = None
-    """With return_token_ids: the choice's generated tokens."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -480,15 +479,9 @@ class ChatDelta(BaseModel):
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(ChoiceEnd):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
-    stop_reason: int | str | None = None
-    """The stop string or stop token id that ended the choice (vLLM's); null for EOS or any other end."""
-    token_ids: list[int] | None = None
-    """With return_token_ids: the tokens of the event this chunk opens."""
 
 
 class ChatCompletionChunk(BaseModel):

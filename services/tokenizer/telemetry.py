@@ -20,8 +20,8 @@ from shared.api import GenerateRequest
 from shared.messages import TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
-from shared.telemetry import (ITL_BUCKETS, LATENCY_BUCKETS, TOKEN_COUNT_BUCKETS, TTFT_BUCKETS, Histogram,
-                              ServiceTelemetry, context_from_headers, traceparent)
+from shared.telemetry import (ITL_BUCKETS, LATENCY_BUCKETS, TTFT_BUCKETS, Histogram, ServiceTelemetry,
+                              SizeHistograms, context_from_headers, traceparent)
 
 
 @dataclass
@@ -46,9 +46,7 @@ class TokenizerTelemetry(ServiceTelemetry):
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(LATENCY_BUCKETS)
-        self.request_prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
-        self.request_generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
-        self.request_max_tokens = Histogram(TOKEN_COUNT_BUCKETS)
+        self.sizes = SizeHistograms()
         self.num_active = 0
 
     def on_accept(self, request: GenerateRequest, params: SamplingParams, num_prompt_tokens: int,
@@ -116,10 +114,7 @@ class TokenizerTelemetry(ServiceTelemetry):
         if num_generated:
             self.prompt_tokens += num_prompt_tokens
             # per request, as the counters count: their sums are the prompt and generation counters' shares
-            self.request_prompt_tokens.observe(num_prompt_tokens)
-            self.request_generation_tokens.observe(num_generated)
-            if trace.max_tokens is not None:  # null (until the context is full) gives no number
-                self.request_max_tokens.observe(trace.max_tokens)
+            self.sizes.observe(num_prompt_tokens, num_generated, trace.max_tokens)
         self.generation_tokens += num_generated
         if not (reason is FinishReason.ERROR and retry and not num_generated):
             self.finished[reason] += 1
@@ -151,7 +146,4 @@ class TokenizerTelemetry(ServiceTelemetry):
         return TokenizerMetrics(
             source=self.source, prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             finished=dict(self.finished), time_to_first_token=self.ttft.data(), inter_token_latency=self.itl.data(),
-            e2e_request_latency=self.e2e.data(), num_active=self.num_active,
-            request_prompt_tokens=self.request_prompt_tokens.data(),
-            request_generation_tokens=self.request_generation_tokens.data(),
-            request_max_tokens=self.request_max_tokens.data())
+            e2e_request_latency=self.e2e.data(), num_active=self.num_active, request_sizes=self.sizes.data())

@@ -201,12 +201,13 @@ def test_request_phases_are_vllms_first_scheduled_to_first_and_last_token(monkey
     snap = telemetry.snapshot()
     # a: prefill 10 ms; tokens at 10, 22, 34 ms: decode 24, 12 a token. b: prefill 10, nothing after.
     # c: first scheduled at 12 ms, tokens at 22 and 34: prefill 10, decode 12.
-    assert sum(snap.request_prefill_time.counts) == 3
-    assert snap.request_prefill_time.sum == pytest.approx(0.030, abs=1e-6)
-    assert snap.request_decode_time.sum == pytest.approx(0.024 + 0.012, abs=1e-6)
-    assert snap.request_inference_time.sum == pytest.approx(0.034 + 0.010 + 0.022, abs=1e-6)
-    assert sum(snap.request_time_per_output_token.counts) == 2  # b made one token
-    assert snap.request_time_per_output_token.sum == pytest.approx(0.012 + 0.012, abs=1e-6)
+    phases = snap.request_phases
+    assert sum(phases.prefill.counts) == 3
+    assert phases.prefill.sum == pytest.approx(0.030, abs=1e-6)
+    assert phases.decode.sum == pytest.approx(0.024 + 0.012, abs=1e-6)
+    assert phases.inference.sum == pytest.approx(0.034 + 0.010 + 0.022, abs=1e-6)
+    assert sum(phases.time_per_output_token.counts) == 2  # b made one token
+    assert phases.time_per_output_token.sum == pytest.approx(0.012 + 0.012, abs=1e-6)
 
 
 def test_prefix_cache_queries_and_hits_count_tokens_once_per_admission():

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.gateway.metrics import STALE_S, MetricsBoard, render_system_metrics
 from shared import subjects
 from shared.codec import Codec
-from shared.messages import AdmissionMetrics, EngineMetrics, TokenizerMetrics
+from shared.messages import AdmissionMetrics, EngineMetrics, RequestPhases, RequestSizes, TokenizerMetrics
 from shared.outputs import FinishReason
 from shared.telemetry import (BATCH_SIZE_BUCKETS, ITERATION_TOKEN_BUCKETS, ITL_BUCKETS, LATENCY_BUCKETS,
                               TOKEN_COUNT_BUCKETS, TTFT_BUCKETS, Histogram, SnapshotPublisher)
@@ -155,18 +155,18 @@ def test_vllms_request_level_families_add_up_and_an_older_snapshot_without_them_
     older = Codec.encode(msgspec.defstruct("EngineMetrics", [(f, object) for f in fields], tag="engine")(**fields))
     new = msgspec.structs.replace(
         engine("e-new", "0", running=0, used_blocks=0, preemptions=0, iteration_tokens=[4]),
-        request_prefill_time=hist(LATENCY_BUCKETS, [0.2, 0.4]), request_decode_time=hist(LATENCY_BUCKETS, [1.0, 3.0]),
-        request_inference_time=hist(LATENCY_BUCKETS, [1.2, 3.4]),
-        request_time_per_output_token=hist(ITL_BUCKETS, [0.02]), prefix_cache_queries=40, prefix_cache_hits=16)
+        request_phases=RequestPhases(hist(LATENCY_BUCKETS, [0.2, 0.4]), hist(LATENCY_BUCKETS, [1.0, 3.0]),
+                                     hist(LATENCY_BUCKETS, [1.2, 3.4]), hist(ITL_BUCKETS, [0.02])),
+        prefix_cache_queries=40, prefix_cache_hits=16)
     served = msgspec.structs.replace(tokenizer("tok", 30, 9, [0.1, 0.1], {FinishReason.LENGTH: 2}),
-                                     request_prompt_tokens=hist(TOKEN_COUNT_BUCKETS, [10, 20]),
-                                     request_generation_tokens=hist(TOKEN_COUNT_BUCKETS, [4, 5]),
-                                     request_max_tokens=hist(TOKEN_COUNT_BUCKETS, [5]))
+                                     request_sizes=RequestSizes(hist(TOKEN_COUNT_BUCKETS, [10, 20]),
+                                                                hist(TOKEN_COUNT_BUCKETS, [4, 5]),
+                                                                hist(TOKEN_COUNT_BUCKETS, [5])))
     board, now = MetricsBoard(), 1000.0
     asyncio.run(board.on_message(type("Msg", (), {"data": older})()))
     for snapshot in (new, served):
         board.on_snapshot(snapshot, now)
-    assert board.sources["e-old"][0].prefix_cache_queries == 0
+    assert board.sources["e-old"][0].prefix_cache_queries == 0 and board.sources["e-old"][0].request_phases is None
     m = parse(render_system_metrics(board, "demo", now))
     e0, model = (("engine", "0"), ("model_name", "demo")), (("model_name", "demo"),)
     assert m[("vllm:num_preemptions_total", e0)] == 1  # the older snapshot's figures still count

@@ -39,8 +39,8 @@ def test_request_histograms_take_served_requests_only_and_add_up_to_the_counters
             await settle()
         await service.stop_writer()
         t = service.telemetry
-        return [(h.sum, sum(h.counts)) for h in (t.request_prompt_tokens, t.request_generation_tokens,
-                                                 t.request_max_tokens)]
+        sizes = t.sizes
+        return [(h.sum, sum(h.counts)) for h in (sizes.prompt_tokens, sizes.generation_tokens, sizes.max_tokens)]
 
     served = (RequestOutput("r1", (7,)), RequestOutput("r1", (8, 9), finish_reason=FinishReason.LENGTH))
     assert asyncio.run(go(None, *served)) == [(3, 1), (3, 1), (8, 1)]
