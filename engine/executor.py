@@ -43,14 +43,18 @@ class RunnerArgs:
     """What a worker needs to build its runner (picklable)."""
 
     model_dir: str
+    """The Hugging Face checkpoint's folder, read from disk."""
     dtype: str
     device: str
     num_blocks: int
+    """KV blocks to allocate, what the scheduler's accounting was sized for."""
     block_size: int
     max_model_len: int
     seed: int
+    """Seeds the sampler's generator, which draws for requests without a seed of their own."""
     kernel_backend: str
     enforce_eager: bool | None = None
+    """None: compile on CUDA only (shared/config.py ModelConfig.enforce_eager)."""
     borrowed_threads: int = 0
     """Threads a lone CPU worker may add on the control plane's cores (model/runner.py)."""
 

@@ -98,7 +98,9 @@ class LinearCostModel:
     e: float = 0.0
     """Seconds per (query, key) pair of prompt attention (benchmarks/fit_cost_model.py fits without it: 0)."""
     max_model_len: int = 1024
+    """The context of the model it was fitted on."""
     default_kv_cache_tokens: int = 65536
+    """The KV cache a simulation assumes when it is given none."""
     note: str = ""
     """How it was fitted and its held-out error (`benchmarks/fit_cost_model.py` writes it)."""
 

@@ -15,6 +15,26 @@ import os
 import signal
 import sys
 
+RAY_SETTINGS = {
+    # Ray runs actors at niceness 15 by default: the model workers would then yield the CPU to every
+    # other process on the machine. They are the hot path; run them at normal priority.
+    "RAY_worker_niceness": "0",
+    # A killed actor's process gets this long to exit before the raylet SIGKILLs it (Ray's default 5 s).
+    # Only a hung process uses it (a live one exits at once): a hung worker or engine master is killed
+    # to be restarted, and every second of it is a second nothing is served. Measured on a SIGSTOPped
+    # worker (step timeout 3 s): served again after 10.8 s with Ray's default, 6.5 s with this.
+    "RAY_kill_worker_timeout_milliseconds": "1000",
+}
+"""Ray's settings for the processes of a Ray that `orca serve` or `python -m services.engine` start (the
+raylet reads them from its environment); deploy/k8s/rayservice.yaml gives every Ray pod the same."""
+
+
+def apply_ray_settings() -> None:
+    """Before `ray.init`: RAY_SETTINGS, unless the environment sets them already."""
+    for name, value in RAY_SETTINGS.items():
+        os.environ.setdefault(name, value)
+
+
 GCS_PROBE_TIMEOUT_S = 2.0
 """A local GCS answers the probe in about a millisecond; one that is stopping never does."""
 

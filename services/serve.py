@@ -29,7 +29,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from services.cpu_binding import CpuLayout, available_cpus, bind_process_tree, can_bind, plan_cpu_layout
-from services.local_ray import RayCluster
+from services.local_ray import RayCluster, apply_ray_settings
 from services.ports import PortReservation, port_number
 from services.supervise import SupervisedProcess, stop_processes
 from shared import env, subjects
@@ -292,9 +292,7 @@ def serve(args: argparse.Namespace, config: EngineConfig, settings: ServeConfig)
             server = LocalNatsServer().start(die_with_parent=True)  # from the main thread: dies with orca serve
             stack.callback(server.cleanup)
             nats_url = server.url
-        # Ray runs actors at niceness 15 by default: the model workers would then yield the CPU to every
-        # other process on the machine. They are the hot path; run them at normal priority.
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        apply_ray_settings()
         # Serve checks its HTTP proxy every 10 s and restarts it after three failed checks: half a
         # minute without HTTP after the proxy dies. Every 2 s brings that under 10 s (a local Ray only).
         os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "2")

@@ -48,6 +48,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 class FunctionCall(msgspec.Struct, frozen=True):
     name: str
+    """One of the request's `tools`, by its function's name."""
     arguments: str
     """JSON text, as OpenAI sends it."""
 

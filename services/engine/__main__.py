@@ -8,7 +8,6 @@ restarted (services/engine/launch.py).
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from services.cli import engine_config_from_args
 from services.engine.launch import MasterSupervisor, WorkerLaunch, launch_master, replica_parser
+from services.local_ray import apply_ray_settings
 from services.logs import setup_logging
 from shared.flags import serve_config_from_args
 
@@ -53,7 +53,7 @@ def main() -> int:
     import ray
 
     config = engine_config_from_args(args)
-    os.environ.setdefault("RAY_worker_niceness", "0")  # see services/serve.py
+    apply_ray_settings()
     ray.init(address=args.ray_address, include_dashboard=False, configure_logging=False)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))

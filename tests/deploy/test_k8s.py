@@ -16,6 +16,7 @@ import yaml
 
 from services.engine.launch import WorkerLaunch
 from services.gateway.state import GatewaySettings
+from services.local_ray import RAY_SETTINGS
 from shared.config import EngineConfig, ServeConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,6 +262,16 @@ def test_every_ray_pod_holds_the_password_of_every_deployment_serve_may_place_on
         [container] = pod["template"]["spec"]["containers"]
         names = {e["name"] for e in container.get("env", [])}
         assert {"ORCA_NATS_GATEWAY_PASSWORD", "ORCA_NATS_ENGINE_PASSWORD", "ORCA_API_KEY"} <= names, names
+
+
+def test_every_ray_pod_runs_ray_with_the_settings_orca_serve_gives_its_own_ray():
+    """The raylet reads them from its environment (services/local_ray.py RAY_SETTINGS): model workers at
+    normal priority, a hung worker or master SIGKILLed 1 s after its kill, not Ray's 5 s."""
+    cluster = find("RayService")["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]:
+        [container] = pod["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert {name: env.get(name) for name in RAY_SETTINGS} == RAY_SETTINGS
 
 
 def serve_config() -> dict[str, Any]:

@@ -30,6 +30,7 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
         async with streaming(stack.nats_url, stack.http_url, bodies, timeout_s=120) as (client, tasks):
             os.kill(victim, signal.SIGSTOP)
             hung_at = time.monotonic()
+            killed = asyncio.create_task(gone_after(victim, hung_at))
             figures["detected_s"] = await wait_for_health(client, 503, STEP_TIMEOUT_S + 10)
             refused, figures["refused_in_s"] = await timed_completion(client, "hi")
             assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
@@ -37,6 +38,7 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
             figures["recovered_s"] = time.monotonic() - hung_at
             results = await asyncio.gather(*tasks)
             figures["all_finished_s"] = time.monotonic() - hung_at
+            figures["killed_s"] = await killed
             after = await client.post("/v1/completions", json={"prompt": "def f():", "max_tokens": 4})
             assert after.status_code == 200, after.text
         return {"figures": figures, "results": results}
@@ -48,4 +50,19 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
         assert tokens_of(events) == expected[body["id"]], body["id"]
     assert out["figures"]["detected_s"] < STEP_TIMEOUT_S + 5
     assert out["figures"]["refused_in_s"] < 1.0
+    # Ray SIGKILLs it 1 s after the master's kill (services/local_ray.py RAY_SETTINGS; Ray's default: 5 s)
+    assert out["figures"]["killed_s"] < STEP_TIMEOUT_S + 3.5, out["figures"]
     assert_worker_replaced(stack, victim)
+
+
+async def gone_after(pid: int, since: float) -> float:
+    """Seconds from `since` until the process is gone (a zombie counts as gone: it runs nothing)."""
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    break
+        except OSError:
+            break
+        await asyncio.sleep(0.05)
+    return time.monotonic() - since
