@@ -180,6 +180,9 @@ class EngineMaster:
                 if not self.scheduler.has_unfinished and not self._in_flight:
                     if self._status_owed:  # the admitted requests have already ended (an error, a cancel)
                         await self.publish_status()
+                    if await self.workers.lost_a_worker(grace_s=0.0):  # restart now, not when a request comes
+                        await self._recover(WorkerDied("a worker stopped"), while_idle=True)
+                        continue
                     await self._idle()
                     continue
                 try:
@@ -296,15 +299,18 @@ class EngineMaster:
         except asyncio.TimeoutError:
             pass
 
-    async def _recover(self, exc: Exception) -> None:
-        """A step failed. If a worker died (or hung), its KV is gone but the requests are not:
+    async def _recover(self, exc: Exception, while_idle: bool = False) -> None:
+        """A step failed, or a worker died between steps (`while_idle`). If a worker died (or hung), its KV is gone but the requests are not:
         they resume by recompute once Ray has restarted it, with the tokens they already have
         (a request that already resumed MAX_RESUMES times ends with an error instead). If the
         forward pass raised, every request on this engine ends with a clear error. Either way
         the worker processes are restarted (a process whose forward pass raised is not trusted:
         a CUDA error poisons its context, a half-written KV cache its state) and the engine
         serves again."""
-        log.error("engine %s: step failed: %s", self.replica, exc)
+        if while_idle:
+            log.error("engine %s: %s while idle; restarting the workers", self.replica, exc)
+        else:
+            log.error("engine %s: step failed: %s", self.replica, exc)
         self.ready = False
         await self.publish_status()
         message = f"engine {self.replica} failed: {exc}"

@@ -197,6 +197,8 @@ class FakeWorkers:
         self.die_at: set[int] = set()
         self.steps = 0
         self.restarts = 0
+        self.dead = False
+        """A worker died between steps (its `serve` call ended): lost_a_worker says so until a restart."""
 
     async def start(self) -> None:
         return None
@@ -215,9 +217,10 @@ class FakeWorkers:
 
     async def restart(self, hard: bool) -> None:
         self.restarts += 1
+        self.dead = False
 
     async def lost_a_worker(self, grace_s: float) -> bool:
-        return False
+        return self.dead
 
 
 async def running_master(workers: FakeWorkers | None = None
@@ -562,3 +565,26 @@ def test_a_request_that_ends_in_its_first_iteration_still_counts_its_queue_time(
         return sum(master.telemetry.snapshot().request_queue_time.counts)
 
     assert asyncio.run(go()) == 2
+
+
+def test_a_worker_that_dies_while_the_engine_is_idle_is_restarted_before_any_request_needs_it():
+    """Before, an idle master learnt of the death only when the next request's step failed: that
+    request waited for the whole restart, and /health said 200 meanwhile."""
+    async def go():
+        master, bus, workers, stop, task = await running_master()
+        await asyncio.sleep(0.01)
+        workers.dead = True
+        deadline = time.monotonic() + 2.0
+        while workers.restarts == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        restarted = workers.restarts
+        statuses = [Codec(EngineStatus).decode(d).ready for d in bus.on(subjects.ENGINE_STATUS)]
+        await admit(master, request("after", max_tokens=4))
+        outs = await until_ended(bus, "after")
+        await stopped(stop, task, master)
+        return restarted, statuses, outs, workers.steps
+
+    restarted, statuses, outs, steps = asyncio.run(go())
+    assert restarted == 1, "an idle master restarts a dead worker within its idle wait (0.5 s)"
+    assert False in statuses and statuses[-1] is True, "not ready while restarting, ready again after"
+    assert outs["after"][1] == (FinishReason.LENGTH, None) and steps > 0

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import httpx
 import pytest
 
 from tests.reliability.conftest import STEP_TIMEOUT_S
@@ -52,6 +53,27 @@ def test_a_hung_forward_pass_is_detected_and_its_requests_resume(stack, demo_mod
     assert out["figures"]["refused_in_s"] < 1.0
     # Ray SIGKILLs it 1 s after the master's kill (services/local_ray.py RAY_SETTINGS; Ray's default: 5 s)
     assert out["figures"]["killed_s"] < STEP_TIMEOUT_S + 3.5, out["figures"]
+    assert_worker_replaced(stack, victim)
+
+
+def test_a_worker_killed_while_the_engine_is_idle_is_restarted_before_a_request_needs_it(stack):
+    """The master watches its worker's `serve` call between steps too: it restarts a dead worker at once
+    (/health 503 meanwhile), so the next request does not wait for the restart."""
+    [victim] = worker_pids(stack.serve)
+
+    async def go() -> dict:
+        async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as client:
+            await wait_for_health(client, 200, 60)
+            os.kill(victim, signal.SIGKILL)
+            figures = {"unhealthy_s": await wait_for_health(client, 503, 10)}
+            figures["healthy_again_s"] = figures["unhealthy_s"] + await wait_for_health(client, 200, 60)
+            response, figures["next_request_s"] = await timed_completion(client, "def f():")
+            assert response.status_code == 200, response.text
+        return figures
+
+    figures = run(go(), 120)
+    print("worker killed while idle:", {k: round(v, 2) for k, v in figures.items()})
+    assert figures["next_request_s"] < 2.0, figures
     assert_worker_replaced(stack, victim)
 
 
