@@ -40,37 +40,23 @@ class Executor(Protocol):
 
 @dataclass(frozen=True)
 class RunnerArgs:
-    """What a worker needs to build its runner (picklable)."""
+    """What a worker needs to build its runner (picklable): the engine's config, read there, and what
+    the engine resolved from it."""
 
-    model_dir: str
-    """The Hugging Face checkpoint's folder, read from disk."""
-    dtype: str
-    device: str
-    num_blocks: int
-    """KV blocks to allocate, what the scheduler's accounting was sized for."""
-    block_size: int
+    config: EngineConfig
     max_model_len: int
-    seed: int
-    """Seeds the sampler's generator, which draws for requests without a seed of their own."""
-    kernel_backend: str
-    enforce_eager: bool | None = None
-    """None: compile on CUDA only (shared/config.py ModelConfig.enforce_eager)."""
+    """The context the scheduler admits for (the model's own unless the config caps it)."""
     borrowed_threads: int = 0
     """Threads a lone CPU worker may add on the control plane's cores (model/runner.py)."""
-
-    @staticmethod
-    def of(config: EngineConfig, max_model_len: int) -> RunnerArgs:
-        m, c = config.model, config.cache
-        return RunnerArgs(m.model, m.dtype, m.device, c.num_blocks, c.block_size, max_model_len, m.seed,
-                          m.kernel_backend, m.enforce_eager)
 
     def build(self, groups=None):
         from model.runner import ModelRunner
 
-        return ModelRunner(self.model_dir, dtype=self.dtype, device=self.device, num_blocks=self.num_blocks,
-                           block_size=self.block_size, max_model_len=self.max_model_len, seed=self.seed,
-                           kernel_backend=self.kernel_backend, groups=groups,
-                           enforce_eager=self.enforce_eager, borrowed_threads=self.borrowed_threads)
+        m, c = self.config.model, self.config.cache
+        return ModelRunner(m.model, dtype=m.dtype, device=m.device, num_blocks=c.num_blocks,
+                           block_size=c.block_size, max_model_len=self.max_model_len, seed=m.seed,
+                           kernel_backend=m.kernel_backend, groups=groups, enforce_eager=m.enforce_eager,
+                           borrowed_threads=self.borrowed_threads)
 
 
 class LocalExecutor:
@@ -120,7 +106,7 @@ class MultiprocExecutor:
         self.results = context.Queue()
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         threads = max(1, (os.cpu_count() or 1) // (self.tp * self.pp))
-        args = RunnerArgs.of(config, max_model_len)
+        args = RunnerArgs(config, max_model_len)
         self.pipes = []
         self.processes = []
         for rank in range(self.tp * self.pp):
@@ -199,7 +185,7 @@ def _worker_main(rank: int, tp: int, pp: int, init_method: str, args: RunnerArgs
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
-        groups = init_distributed(ParallelRank.of(rank, tp, pp), init_method, args.device)
+        groups = init_distributed(ParallelRank.of(rank, tp, pp), init_method, args.config.model.device)
         runner = args.build(groups)
     except Exception:  # noqa: BLE001 - reported to the engine, which stops
         results.put(("error", rank, traceback.format_exc()))

@@ -83,7 +83,7 @@ class LLMEngine:
         if config.parallel.world_size > 1:
             self.executor = MultiprocExecutor(config, self.max_model_len)
         else:
-            self.executor = LocalExecutor(runner or RunnerArgs.of(config, self.max_model_len).build())
+            self.executor = LocalExecutor(runner or RunnerArgs(config, self.max_model_len).build())
         self.tokenizer = tokenizer or load_tokenizer(config.model.model)
         self.vocab_size = arch.vocab_size
         self.max_batches_in_flight = max_batches_in_flight or self.executor.depth

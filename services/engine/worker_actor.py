@@ -15,7 +15,6 @@ reconnect tells the master the last iteration it ran (`WorkerResync`).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import socket
@@ -86,7 +85,7 @@ class Worker:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         groups = init_distributed(self.rank, init_method, self.config.model.device)
-        args = dataclasses.replace(RunnerArgs.of(self.config, self.max_model_len), borrowed_threads=self.borrowed_threads)
+        args = RunnerArgs(self.config, self.max_model_len, borrowed_threads=self.borrowed_threads)
         return args.build(groups)
 
     async def wait_subscribed(self) -> None:

@@ -3,7 +3,6 @@ it may borrow too, and leaves the process's count as it found it."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -48,7 +47,7 @@ def test_a_worker_that_may_borrow_runs_a_prefill_that_decodes_nothing_on_more_th
     config = EngineConfig(model=ModelConfig(model=str(make_checkpoint("llama", tmp_path)), dtype="float32"))
     torch.set_num_threads(1)  # the worker's own: one core
     try:
-        runner = dataclasses.replace(RunnerArgs.of(config, 1024), borrowed_threads=1).build()
+        runner = RunnerArgs(config, 1024, borrowed_threads=1).build()
     finally:
         torch.set_num_threads(threads)
     engine = LLMEngine(config, runner=runner)
