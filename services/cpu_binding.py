@@ -90,6 +90,13 @@ def place_openmp_threads(own: Sequence[int], borrowed: Sequence[int]) -> int:
         return 0
     places = {"OMP_PLACES": ",".join(f"{{{core}}}" for core in (*own, *borrowed)), "OMP_PROC_BIND": "close"}
     os.environ.update(places)
+    # A worker Ray starts again after `orca serve` bound the control plane inherits the raylet's binding,
+    # the control plane's cores alone: OpenMP would drop the worker's own (libgomp "Number of places reduced").
+    try:
+        os.sched_setaffinity(0, {*own, *borrowed})
+    except (AttributeError, OSError) as exc:
+        log.warning("could not widen this process to cores %s before loading OpenMP: %s",
+                    sorted({*own, *borrowed}), exc)
     import torch  # noqa: F401 - loads OpenMP now, while every place is still one this process may use
 
     for name in places:  # read once, at load; a child bound to fewer cores (Inductor's compile workers) would warn

@@ -62,11 +62,15 @@ def test_a_thread_that_ends_while_the_process_is_bound_does_not_stop_the_binding
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="Linux, 2 cores")
-def test_a_worker_borrows_the_control_cores_only_for_a_team_larger_than_its_own():
+@pytest.mark.parametrize("started_on_control_cores", [False, True], ids=["fresh", "restarted"])
+def test_a_worker_borrows_the_control_cores_only_for_a_team_larger_than_its_own(started_on_control_cores):
+    """`restarted`: a worker Ray starts again after `orca serve` bound its control plane (the raylet
+    too) starts on the control plane's cores alone; OpenMP dropped the worker's own core from its places."""
     control, own = sorted(os.sched_getaffinity(0))[:2]
     script = (
         "import os, sys\n"
-        "from services.cpu_binding import bind_this_process, place_openmp_threads\n"
+        + (f"os.sched_setaffinity(0, {{{control}}})\n" if started_on_control_cores else "")
+        + "from services.cpu_binding import bind_this_process, place_openmp_threads\n"
         f"assert place_openmp_threads([{own}], [{control}]) == 1\n"
         f"assert bind_this_process([{own}])\n"
         "assert 'OMP_PLACES' not in os.environ  # read at load: not passed on to children bound to fewer cores\n"
@@ -87,6 +91,7 @@ def test_a_worker_borrows_the_control_cores_only_for_a_team_larger_than_its_own(
     assert two_threads.count(f"[{control}]") == 1, "a larger team's extra thread runs on the borrowed core"
     assert main == f"[{own}]"
     assert "keeps to its own cores" in done.stderr
+    assert "Number of places reduced" not in done.stderr, done.stderr
 
 
 CHILD = r"""
