@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from services.cli import add_chat_template_arg
 from services.gateway.app import build_app
@@ -17,6 +18,23 @@ from services.logs import setup_logging
 from services.ports import port_number
 from services.service_args import add_service_args
 from shared import env
+
+
+def model_problem(model: str) -> str | None:
+    """Why the gateway cannot serve `model`, checked before uvicorn starts (a failed lifespan is a traceback)."""
+    from engine.tokenizer import TOKENIZER_FILES
+    from model.arch import load_arch_config
+
+    path = Path(model)
+    if not path.is_dir():
+        return f"--model {model} is not a directory"
+    if not any((path / name).exists() for name in TOKENIZER_FILES):
+        return f"--model {model} has no tokenizer files"
+    try:
+        load_arch_config(path)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def main() -> None:
@@ -31,6 +49,8 @@ def main() -> None:
     add_chat_template_arg(parser)
     env.apply_engine_env(parser)  # ORCA_CHAT_TEMPLATE (and ORCA_MODEL), as for the engine
     args = parser.parse_args()
+    if problem := model_problem(args.model):
+        parser.error(problem)
     setup_logging(args.log_level)
     settings = GatewaySettings(nats_url=args.nats_url, model=args.model, served_model_name=args.served_model_name,
                                api_key=args.api_key, chat_template=args.chat_template)

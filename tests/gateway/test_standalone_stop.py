@@ -1,5 +1,6 @@
 """`python -m services.gateway` (compose's gateway) stops on SIGTERM while NATS does not answer: it waited
-for NATS inside its lifespan, deaf to the signal, until compose's grace period ran out and it was killed."""
+for NATS inside its lifespan, deaf to the signal, until compose's grace period ran out and it was killed.
+A checkpoint it cannot serve is one line before uvicorn starts, not uvicorn's lifespan traceback."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from tests.services.stack import ROOT
 
@@ -39,3 +43,18 @@ def test_sigterm_stops_a_gateway_still_waiting_for_nats(demo_model):
     assert took < 5, said
     assert gateway.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM), said
     assert "stopped before NATS" in said and "Traceback" not in said, said
+
+
+@pytest.mark.parametrize(("what", "says"), [("missing", "is not a directory"), ("empty", "has no tokenizer files"),
+                                            ("tokenizer only", "no config.json")])
+def test_a_checkpoint_the_gateway_cannot_serve_is_one_line_and_exit_2(demo_model, tmp_path, what, says):
+    model = tmp_path / "model"
+    if what != "missing":
+        model.mkdir()
+    if what == "tokenizer only":
+        (model / "tokenizer.json").write_bytes((Path(demo_model) / "tokenizer.json").read_bytes())
+    done = subprocess.run([sys.executable, "-m", "services.gateway", "--nats-url", f"nats://127.0.0.1:{free_port()}",
+                           "--model", str(model), "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and says in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("python -m services.gateway: error:"), done.stderr
