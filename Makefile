@@ -32,8 +32,7 @@ generate: setup $(DEMO_MODEL)/config.json
 	@cat out/generations.jsonl
 
 # The end-to-end tests that start stacks on two pytest-xdist workers (tests/conftest.py schedules whole
-# groups: the tests that share a stack, then each module, the longest first), the unit tests that compile
-# the model step beside them at nice 19; then tests/reliability
+# groups: the tests that share a stack, then each module, the longest first); then tests/reliability
 # alone (its shared stack's tests on one worker, its NATS-cluster module on the other), whose recovery
 # times other tests' load would stretch, with the unit tests beside it at nice 19
 # (tests/run_suite.sh says why).

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # `make test`: the whole suite, in the order that leaves the fewest cores idle on a small machine.
 #   1. The end-to-end tests that start stacks (marked slow; not tests/reliability) on PYTEST_WORKERS
-#      pytest-xdist workers: they keep the cores 83% busy, and the unit tests that compile the model step
-#      (marked compiles: CPU-bound, timing nothing) run beside them at nice 19, in what they leave idle.
+#      pytest-xdist workers: they keep both cores busy.
 #   2. tests/reliability by itself (marked alone): it times how fast a stack recovers from faults, and
 #      other stacks starting beside it would stretch those times. On two workers: its shared stack's
 #      tests on one, the NATS-cluster module (its own stack, started at once) on the other. It leaves
@@ -21,20 +20,15 @@ unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-.venv/bin/python}
 WORKERS=${PYTEST_WORKERS:-2}
 unit_log=$(mktemp -t orca-unit-tests.XXXXXX)
-compile_log=$(mktemp -t orca-compile-tests.XXXXXX)
 unit_pid=
-compile_pid=
 # A background job ignores Ctrl-C; and pytest, interrupted, exits with a status, which would go on to the next part.
-trap 'for pid in $unit_pid $compile_pid; do kill "$pid" 2> /dev/null; done; rm -f "$unit_log" "$compile_log"' EXIT
+trap '[ -n "$unit_pid" ] && kill "$unit_pid" 2> /dev/null; rm -f "$unit_log"' EXIT
 trap 'echo "make test: interrupted"; exit 130' INT TERM
 
-nice -n 19 "$PY" -m pytest -q -m 'compiles and not slow and not alone' --durations=5 > "$compile_log" 2>&1 &
-compile_pid=$!
-echo "unit tests that compile the model step: running beside the end-to-end tests at nice 19, output in $compile_log"
 "$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'slow and not alone' --durations=25
 stacks=$?
 
-nice -n 19 "$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'not slow and not alone and not compiles' --durations=10 > "$unit_log" 2>&1 &
+nice -n 19 "$PY" -m pytest -q -n "$WORKERS" --no-loadscope-reorder -m 'not slow and not alone' --durations=10 > "$unit_log" 2>&1 &
 unit_pid=$!
 echo "unit tests: running beside tests/reliability at nice 19, output in $unit_log (shown when they end)"
 # Only tests/reliability is collected (the tests marked alone are those: tests/conftest.py ALONE): its
@@ -43,13 +37,8 @@ echo "unit tests: running beside tests/reliability at nice 19, output in $unit_l
 alone=$?
 wait "$unit_pid"
 unit=$?
-wait "$compile_pid"
-compiles=$?
-echo "---- unit tests that compile the model step, run at nice 19 beside the end-to-end tests ----"
-compile_pid=
-cat "$compile_log"
 echo "---- unit tests (not slow, not tests/reliability), run at nice 19 ----"
 unit_pid=
 cat "$unit_log"
-echo "make test: stacks rc=$stacks, tests/reliability rc=$alone, unit tests rc=$unit (compiling ones rc=$compiles)"
-exit $((stacks || alone || unit || compiles))
+echo "make test: stacks rc=$stacks, tests/reliability rc=$alone, unit tests rc=$unit"
+exit $((stacks || alone || unit))

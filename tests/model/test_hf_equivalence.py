@@ -177,7 +177,6 @@ def test_prompt_logprobs_agree_with_transformers_float32(checkpoint, policy, chu
             assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=2e-4)
 
 
-@pytest.mark.compiles
 @pytest.mark.parametrize("policy,chunked,prefix,kv_tokens", [("orca", False, False, 4096), ("paged", True, True, 80)])
 def test_compiled_step_equals_the_eager_step_float32(checkpoint, policy, chunked, prefix, kv_tokens):
     """torch.compile'd step (model/compiled.py): the eager step's greedy tokens, logprobs within 1e-4,
