@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -77,6 +77,9 @@ class GenerateRequest(SamplingKnobs, frozen=True, forbid_unknown_fields=True):
     """With messages, vLLM's: more variables for the chat template (Qwen3's `enable_thinking`)."""
     continue_final_message: bool = False
     """With messages (ChatTurn): the reply continues the last message, an assistant's."""
+    operation: Literal["chat", "text_completion"] | None = None
+    """What the client called, for traces (OpenTelemetry's gen_ai.operation.name): the gateway renders chats
+    into prompt_token_ids itself. None: chat for messages, else text_completion."""
 
     def __post_init__(self) -> None:
         if not self.id:

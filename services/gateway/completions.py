@@ -278,7 +278,7 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
                  tools: ToolUse | None = None, prompt_logprobs: int | None = None) -> Response:
     public_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     requests = generate_requests(public_id, body, prompts, max_tokens, logprobs, state.prompts.vocab_size, constraint,
-                                 prompt_logprobs)
+                                 prompt_logprobs, chat)
     state.check_can_take()  # tokenizing took a while: look again before publishing
     generation = await state.client.submit(public_id, requests)
     watcher = asyncio.create_task(_abort_on_disconnect(http, generation))

@@ -176,8 +176,9 @@ def logit_bias(request: SamplingFields, vocab_size: int) -> dict[int, float] | N
 
 def generate_requests(public_id: str, request: SamplingFields, prompts: list[PromptInput], max_tokens: list[int],
                       logprobs: int | None, vocab_size: int, constraint: StructuredOutputs | None = None,
-                      prompt_logprobs: int | None = None) -> list[GenerateRequest]:
-    """`constraint`: what every output must match (checked already: `constraints.output_constraint`)."""
+                      prompt_logprobs: int | None = None, chat: bool = False) -> list[GenerateRequest]:
+    """`constraint`: what every output must match (checked already: `constraints.output_constraint`);
+    `chat`: the prompts are rendered chats (traced as chat, not text_completion)."""
     bias = logit_bias(request, vocab_size)
     for field in ("stop_token_ids", "allowed_token_ids"):
         bad = next((t for t in getattr(request, field) or () if t >= vocab_size), None)
@@ -199,7 +200,7 @@ def generate_requests(public_id: str, request: SamplingFields, prompts: list[Pro
                 frequency_penalty=request.frequency_penalty, logit_bias=bias, structured_outputs=constraint,
                 allowed_token_ids=tuple(request.allowed_token_ids) if request.allowed_token_ids else None,
                 cache_salt=request.cache_salt,
-                priority=request.priority)
+                priority=request.priority, operation="chat" if chat else "text_completion")
             try:
                 generate.sampling_params()
             except ValueError as exc:  # "<field>=<value> <rule>": the field is the error's param

@@ -56,7 +56,7 @@ class TokenizerTelemetry(ServiceTelemetry):
         trace = RequestTrace(None, time.perf_counter() - (time.time_ns() - arrival_ns) / 1e9, params.max_tokens)
         if not self.tracing:
             return trace
-        operation = "chat" if request.messages is not None else "text_completion"
+        operation = request.operation or ("chat" if request.messages is not None else "text_completion")
         attributes = {
             "gen_ai.operation.name": operation, "gen_ai.system": "orca-serve",
             "gen_ai.provider.name": "orca-serve", "gen_ai.request.model": self.model_name,

@@ -166,6 +166,24 @@ def test_one_request_is_one_connected_trace_across_the_services(observed):
         assert s["end_ns"] > s["start_ns"]
 
 
+def test_a_chat_over_http_is_traced_as_a_chat(observed):
+    """The gateway renders a chat into token ids itself: the tokenizer's span still says chat (gen_ai.operation.name)."""
+    trace_id = "5c" * 16
+    response = httpx.post(observed.http_url + "/v1/chat/completions", timeout=60, json={
+        "model": observed.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        headers={"traceparent": f"00-{trace_id}-{CALLER_SPAN_ID}-01"})
+    assert response.status_code == 200, response.text
+
+    def request_span():
+        return next((s for s in read_spans(observed.spans_file) if s["trace_id"] == trace_id
+                     and s.get("service") == "orca-tokenizer" and s["parent_span_id"] is not None
+                     and "gen_ai.operation.name" in s["attributes"]), None)
+
+    span = wait_for(request_span, 20, "the chat's request span is exported")
+    assert span["attributes"]["gen_ai.operation.name"] == "chat"
+    assert span["name"] == f"chat {Path(observed.model).name}"
+
+
 # ---- metrics under load --------------------------------------------------------------------------
 
 COUNTERS = ["vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",

@@ -6,6 +6,7 @@ rejection, not a finished request, so an overload does not pull the latency perc
 from __future__ import annotations
 
 import asyncio
+import time
 
 from shared.outputs import FinishReason, RequestOutput
 from tests.services.test_tokenizer_coalescing import iteration, settle, started
@@ -78,6 +79,34 @@ def test_an_invalid_request_in_no_trace_and_with_no_id_opens_no_error_span():
     telemetry.on_reject("r1", None, "prompt is empty")
     telemetry.on_reject(None, {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}, "malformed JSON")
     assert [s.name for s in exporter.get_finished_spans()] == ["orca.request.invalid"] * 2
+
+
+def test_a_request_span_names_what_the_client_called():
+    """A chat the gateway rendered arrives as token ids with operation "chat"; without it, messages are a chat
+    and a prompt a text completion (OpenTelemetry's gen_ai.operation.name)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shared.api import ChatMessage, GenerateRequest
+    from services.tokenizer.telemetry import TokenizerTelemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    telemetry = TokenizerTelemetry("m")
+    telemetry.tracing, telemetry.tracer = True, provider.get_tracer("test")
+    requests = [GenerateRequest(id="a", prompt_token_ids=[1, 2], operation="chat"),
+                GenerateRequest(id="b", prompt_token_ids=[1, 2]),
+                GenerateRequest(id="c", messages=[ChatMessage(role="user", content="hi")]),
+                GenerateRequest(id="d", prompt="hi", operation="text_completion")]
+    for request in requests:
+        trace = telemetry.on_accept(request, request.sampling_params(), 2, None, time.time_ns(), (0, 1))
+        trace.span.end()
+    spans = [s for s in exporter.get_finished_spans() if s.name != "tokenize"]
+    assert [(s.name, s.attributes["gen_ai.operation.name"]) for s in spans] == [
+        ("chat m", "chat"), ("text_completion m", "text_completion"), ("chat m", "chat"),
+        ("text_completion m", "text_completion")]
 
 
 def test_a_draining_tokenizer_says_so_at_once():
