@@ -115,7 +115,7 @@ class RayWorkerGroup:
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workers not restarted within {timeout_s:.0f} s")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.05)
 
 
 async def _as_future(ref: Any) -> Any:
