@@ -57,8 +57,12 @@ def reserve_workers(num_workers: int, bundle: dict[str, float], *, what: str, na
             pass
         else:
             if group.bundle_specs == [dict(bundle) for _ in range(num_workers)]:
-                ray.get(group.ready(), timeout=timeout_s)
-                return group
+                # ray.wait, not ray.get: a master calls this from a thread, and Ray warns of a blocking
+                # ray.get in an async actor at every restart (its loop is not blocked: the thread is)
+                if ray.wait([group.ready()], timeout=timeout_s)[0]:
+                    return group
+                raise PlacementError(f"{what}: the placement group {name} of a previous master was not ready "
+                                     f"after {timeout_s:.0f} s")
             remove_placement_group(group)  # made for other flags: give its devices back
     shortfall = cluster_shortfall(num_workers, bundle, ray.cluster_resources(), what=what)
     if shortfall and autoscaler_wait_s is None:
