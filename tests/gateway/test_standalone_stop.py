@@ -47,14 +47,22 @@ def test_sigterm_stops_a_gateway_still_waiting_for_nats(demo_model):
 
 @pytest.mark.parametrize(("what", "says"), [("missing", "is not a directory"), ("empty", "has no tokenizer files"),
                                             ("tokenizer only", "no config.json")])
-def test_a_checkpoint_the_gateway_cannot_serve_is_one_line_and_exit_2(demo_model, tmp_path, what, says):
+def test_a_checkpoint_the_gateway_cannot_serve_is_named(demo_model, tmp_path, what, says):
+    from services.gateway.__main__ import model_problem
+
     model = tmp_path / "model"
     if what != "missing":
         model.mkdir()
     if what == "tokenizer only":
         (model / "tokenizer.json").write_bytes((Path(demo_model) / "tokenizer.json").read_bytes())
+    assert says in model_problem(str(model))
+    assert model_problem(demo_model) is None
+
+
+def test_a_checkpoint_the_gateway_cannot_serve_is_one_line_and_exit_2_before_uvicorn_starts(tmp_path):
     done = subprocess.run([sys.executable, "-m", "services.gateway", "--nats-url", f"nats://127.0.0.1:{free_port()}",
-                           "--model", str(model), "--port", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                           "--model", str(tmp_path / "missing"), "--port", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "is not a directory" in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("python -m services.gateway: error:"), done.stderr
