@@ -205,8 +205,9 @@ class SystemCollector(Collector):
 
     def _admission(self) -> Iterable:
         admissions: list[AdmissionMetrics] = self.board.all_of(AdmissionMetrics)
-        rejections = CounterMetricFamily("orca:admission_rejections", "Requests admission refused, by reason.",
-                                         labels=["reason"])
+        rejections = CounterMetricFamily("orca:admission_rejections", "Requests admission refused, by reason (a "
+                                         "gateway's refusals at the door, before publishing, are its "
+                                         "orca:http_requests_total with code 429 or 503).", labels=["reason"])
         rejections.add_metric(["queue_full"], sum(a.rejected_queue_full for a in admissions))
         rejections.add_metric(["unservable"], sum(a.rejected_unservable for a in admissions))
         admitted = CounterMetricFamily("orca:admitted_requests", "Requests admission sent to an engine.")
