@@ -19,6 +19,11 @@ import msgspec
 JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}
 """Compact JSON (`{"a":1}`, as OpenAI's models write it): free whitespace would let a model pad forever.
 Not lenient: a keyword llguidance cannot enforce is an error, never silently ignored."""
+MAX_SCHEMA_DEPTH = 100
+"""Most levels of objects and arrays in a JSON schema. llguidance's JSON reader stops at about 125, and
+Python's recursion limit (which torch raises when it compiles) at some depth of its own: which of them
+refused a deeper schema, with which message, depended on the process. One limit below both: one message."""
+TOO_DEEP = f"nested too deeply (more than {MAX_SCHEMA_DEPTH} levels of objects and arrays)"
 
 
 class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -63,8 +68,8 @@ class StructuredOutputs(msgspec.Struct, frozen=True, forbid_unknown_fields=True,
         try:
             spec = self.normalized()
             return _grammar_text(spec.kind(), spec.json, spec.regex, tuple(spec.choice or ()), spec.grammar)
-        except RecursionError:  # a schema nested deeper than Python's stack (JSON text parses to any depth)
-            raise ValueError(f"invalid structured_outputs.{self.kind()}: nested too deeply") from None
+        except RecursionError:  # deeper than Python's stack, before the depth is counted (JSON text parses to any depth)
+            raise ValueError(f"invalid structured_outputs.{self.kind()}: {TOO_DEEP}") from None
 
 
 class JsonSchemaFormat(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -170,6 +175,8 @@ def _grammar_text(kind: str, schema: str | dict | None, regex: str | None, choic
             raise ValueError(f"invalid structured_outputs.json: not JSON ({exc})") from None
         if not isinstance(parsed, dict):
             raise ValueError("invalid structured_outputs.json: a JSON schema is an object")
+        if nests_deeper_than(parsed, MAX_SCHEMA_DEPTH):
+            raise ValueError(f"invalid structured_outputs.json: {TOO_DEEP}")
         try:
             return LLMatcher.grammar_from_json_schema(json.dumps(closed_objects(parsed)), defaults=JSON_OPTIONS)
         except ValueError as exc:
@@ -195,3 +202,15 @@ def _grammar_error(grammar: str) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.validate_grammar(grammar)
+
+
+def nests_deeper_than(value: Any, levels: int) -> bool:
+    """Whether `value` nests more than `levels` dicts and lists, counted level by level (no recursion)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(levels):
+        level = [child for container in level
+                 for child in (container.values() if isinstance(container, dict) else container)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return bool(level)

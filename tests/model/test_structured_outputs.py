@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -17,7 +18,7 @@ from model.structured import apply_token_bitmask
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from shared.outputs import FinishReason
 from shared.sampling import SamplingParams
-from shared.structured import StructuredOutputs
+from shared.structured import MAX_SCHEMA_DEPTH, TOO_DEEP, StructuredOutputs
 
 PERSON = {
     "type": "object",
@@ -162,6 +163,31 @@ def test_a_bad_grammar_is_refused_before_it_reaches_the_engine(demo_model):
         with pytest.raises(ValueError, match=says):
             engine.add_request("bad", PROMPTS[0], SamplingParams(structured_outputs=bad))
     assert not engine.scheduler.requests
+
+
+@pytest.mark.parametrize("recursion_limit", [1000, 100_000])  # Python's default; torch raises it when it compiles
+def test_how_deep_a_schema_may_nest_does_not_depend_on_the_process(recursion_limit):
+    """One limit (MAX_SCHEMA_DEPTH levels of objects and arrays) and one message, whether or not torch compiled
+    in this process: before, a schema of 400 levels got llguidance's "recursion limit exceeded at line 1
+    column 2491", one of 700 "nested too deeply" or the llguidance message, as Python's recursion limit was."""
+    def items(levels: int) -> dict:  # one container per level
+        schema: dict = {"type": "integer"}
+        for _ in range(levels - 1):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    deep_text = json.dumps(_nested(700))  # 1,401 levels as JSON text: deeper than json.dumps goes by default
+    sys.setrecursionlimit(recursion_limit)
+    try:
+        StructuredOutputs(json=items(MAX_SCHEMA_DEPTH)).validate()
+        StructuredOutputs(json=json.dumps(_nested(49))).validate()  # 99 levels, as JSON text
+        for deep in (items(MAX_SCHEMA_DEPTH + 1), _nested(50), _nested(400), _nested(700), deep_text):
+            with pytest.raises(ValueError, match=re.escape(f"invalid structured_outputs.json: {TOO_DEEP}")):
+                StructuredOutputs(json=deep).validate()
+    finally:
+        sys.setrecursionlimit(before)
 
 
 def test_logprobs_of_a_constrained_request_are_those_of_the_masked_distribution(demo_model):
