@@ -64,7 +64,8 @@ clusters whose JetStream leader elections are slow enough under load without a s
 beside them. Every other module is a group of its own (a module's own stack starts once)."""
 LONGEST_FIRST = ("reliability", NATS_CLUSTER, "gateway", "tests/parallel/test_parallel_serve.py", BACKPRESSURE,
                  "tests/observability/test_end_to_end.py", "deploy",
-                 "tests/services/test_pipeline.py", "tests/model/test_hf_equivalence.py")
+                 "tests/services/test_pipeline.py", "tests/model/test_compiled_step.py",
+                 "tests/model/test_hf_equivalence.py")
 """The groups that take longest (each starts a stack, or compiles), handed out first so that no worker
 is left with a long one at the end; the rest follow as collected."""
 

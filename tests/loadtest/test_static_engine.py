@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.model.checkpoints import make_checkpoint
-from tests.model.test_hf_equivalence import hf_greedy, orca_run, workload
+from tests.model.engine_runs import hf_greedy, orca_run, workload
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import torch
 
+ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
+"""The architectures the model runner supports, each made by `make_checkpoint`."""
+
 
 def make_checkpoint(arch: str, out: Path, *, sharded: bool = False) -> Path:
     from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,

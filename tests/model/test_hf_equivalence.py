@@ -7,17 +7,14 @@ prompt lengths arriving together). float32: each step's logprobs agree closely.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine.llm_engine import LLMEngine
 from shared.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from shared.sampling import SamplingParams
-from tests.model.checkpoints import make_checkpoint
-
-ARCHS = ["llama", "qwen2", "mistral", "gpt2"]
+from tests.model.checkpoints import ARCHS, make_checkpoint
+from tests.model.engine_runs import hf_greedy, orca_run, workload
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -30,63 +27,6 @@ def checkpoint(request, tmp_path_factory):
 def hf_expected(checkpoint):
     return {shared: hf_greedy(checkpoint[1], workload(shared_prefix=shared), torch.float64)
             for shared in (False, True)}
-
-
-def workload(seed: int = 0, n: int = 6, shared_prefix: bool = False) -> list[tuple[list[int], int]]:
-    """Prompts of different lengths; with `shared_prefix`, all start with the same 20 tokens
-    (a system prompt), so prefix reuse has something to share."""
-    rng = random.Random(seed)
-    system = [rng.randrange(512) for _ in range(20)] if shared_prefix else []
-    return [(system + [rng.randrange(512) for _ in range(rng.randint(1, 40))], rng.randint(1, 12))
-            for _ in range(n)]
-
-
-def hf_greedy(model_dir, prompts, dtype) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    outputs = []
-    for prompt, max_tokens in prompts:
-        with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0)
-        outputs.append(ids[0, len(prompt):].tolist())
-    return outputs
-
-
-def orca_run(model_dir, prompts, *, dtype="float64", policy="orca", max_num_seqs=16, block_size=16,
-             chunked=False, logprobs=None, kv_cache_tokens=4096, prefix=False, enforce_eager=None) -> dict:
-    config = EngineConfig(
-        model=ModelConfig(model=str(model_dir), dtype=dtype, enforce_eager=enforce_eager),
-        scheduler=SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=24 if chunked else None, enable_chunked_prefill=chunked),
-        cache=CacheConfig(kv_cache_tokens=kv_cache_tokens, block_size=block_size, enable_prefix_caching=prefix),
-    )
-    engine = LLMEngine(config)
-    # A compiled step compiles every graph it needs while it warms up (both torch thread counts the CPU
-    # runner switches between, one-token and longer batches): a compile while serving stalls every request.
-    with torch._dynamo.config.patch(error_on_recompile=enforce_eager is False):
-        done = run_to_completion(engine, prompts, logprobs, prefix)
-    assert engine.kv_cache.num_used_blocks == 0
-    done["preemptions"] = engine.scheduler.num_preemptions
-    done["prefix_hits"] = engine.kv_cache.prefix_hits
-    return done
-
-
-def run_to_completion(engine, prompts, logprobs, prefix) -> dict:
-    done = {}
-    for i, (prompt, max_tokens) in enumerate(prompts):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                          logprobs=logprobs))
-        if prefix and i == 0:  # the first computes the shared prefix; the others arrive after it
-            for delta in engine.step() + engine.step():
-                if delta.finished:
-                    done[int(delta.completion.request_id)] = delta.completion
-    while engine.has_unfinished:
-        for delta in engine.step():
-            if delta.finished:
-                done[int(delta.completion.request_id)] = delta.completion
-    return done
 
 
 @pytest.mark.parametrize("policy,max_num_seqs,block_size,chunked,kv_tokens,prefix", [
@@ -175,22 +115,3 @@ def test_prompt_logprobs_agree_with_transformers_float32(checkpoint, policy, chu
             top = torch.topk(expected[position], 3)
             assert [t for t, _ in lp.top] == top.indices.tolist(), (i, position)
             assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=2e-4)
-
-
-@pytest.mark.parametrize("policy,chunked,prefix,kv_tokens", [("orca", False, False, 4096), ("paged", True, True, 80)])
-def test_compiled_step_equals_the_eager_step_float32(checkpoint, policy, chunked, prefix, kv_tokens):
-    """torch.compile'd step (model/compiled.py): the eager step's greedy tokens, logprobs within 1e-4,
-    also under preemption, chunked prefill and prefix reuse."""
-    arch, model_dir = checkpoint
-    if policy == "paged" and arch != "llama":
-        pytest.skip("one architecture covers the paged path; each compile costs seconds")
-    prompts = workload(seed=2, n=6, shared_prefix=prefix)
-    runs = [orca_run(model_dir, prompts, dtype="float32", logprobs=3, policy=policy, block_size=4, chunked=chunked,
-                     kv_cache_tokens=kv_tokens, prefix=prefix, enforce_eager=eager) for eager in (True, False)]
-    eager, compiled = runs
-    for i in range(len(prompts)):
-        assert compiled[i].token_ids == eager[i].token_ids, i
-        for a, b in zip(compiled[i].logprobs, eager[i].logprobs):
-            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
-    if kv_tokens < 100:
-        assert compiled["preemptions"] > 0, "the test meant to force preemption"
