@@ -129,7 +129,7 @@ BAD = [
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "strin"}}}}}]), "tools", "tools[0].function.parameters"),
     ("/v1/chat/completions", json.dumps(chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "r", "schema": "DEEP"}})).replace('"DEEP"', DEEP), "response_format", "recursion limit"),
+        "name": "r", "schema": "DEEP"}})).replace('"DEEP"', DEEP), "response_format", "nested too deeply"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a"}}, "structured_outputs", "regex"),
     ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
         "name": "r", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}, "response_format", "Unsatisfiable"),
