@@ -24,8 +24,9 @@ from dataclasses import dataclass
 
 import msgspec
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from services.gateway.constraints import ToolUse, output_constraint, tool_use
 from services.gateway.engine_client import Event, Generation, coalesce
@@ -290,8 +291,8 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
         first = await _first_event(generation)
         if body.stream:
             streaming = True
-            return StreamingResponse(_stream(call, first, watcher), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return EventStream(_stream(call, first, watcher), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         batch: list[tuple[int, Event]] | None = [first]
         while batch is not None:
             call.add_all(batch)
@@ -302,6 +303,19 @@ async def _serve(state: GatewayState, http: Request, body: CompletionRequest | C
             watcher.cancel()
             generation.close()
             call.count_tokens()
+
+
+class EventStream(StreamingResponse):
+    """A stream whose client's disconnect the call watches itself (`_abort_on_disconnect`, then the only
+    reader of `receive`). Starlette watches too under ASGI before 2.4, which uvicorn's HTTP servers report
+    (2.3): it runs the stream in an anyio task group beside a second reader, 131 us a response here against
+    7 without, spent before the first chunk goes out."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:  # the connection broke mid-write: as Starlette answers it under ASGI 2.4
+            raise ClientDisconnect() from None
 
 
 async def _first_event(generation: Generation) -> tuple[int, Event]:

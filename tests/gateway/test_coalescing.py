@@ -10,7 +10,7 @@ import json
 from collections import Counter
 from types import SimpleNamespace
 
-from services.gateway.completions import Call, _stream
+from services.gateway.completions import Call, EventStream, _stream
 from services.gateway.engine_client import Event, Generation, coalesce
 from shared.api import GenerateRequest, Usage
 
@@ -157,3 +157,32 @@ def test_tokens_that_make_no_text_yet_are_still_a_chunk_so_the_client_sees_the_f
     assert [c["choices"][0]["delta"] for c in chat.chunks(0, byte)] == [{"role": "assistant", "content": ""}]
     assert [c["choices"][0]["delta"] for c in chat.chunks(0, Event("c-0", [301], "", None))] == [{"content": ""}]
     assert call_of(generation()).chunks(0, Event("c-0", [], "", None)) == [], "no token, no text: nothing to send"
+
+
+def test_a_stream_under_asgi_2_3_leaves_receive_to_the_disconnect_watcher():
+    """uvicorn says ASGI 2.3, under which Starlette's StreamingResponse reads `receive` itself, in an anyio task
+    group beside the stream. The call's `_abort_on_disconnect` is the one reader: EventStream streams alone."""
+    async def go():
+        gen, sent, reads = generation(), [], []
+        gen.deliver(0, tok(1))
+        gen.deliver(0, final(2))
+        call = call_of(gen)
+        stream = _stream(call, await gen.next(), asyncio.get_running_loop().create_future())
+
+        async def receive() -> dict:
+            reads.append(1)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "headers": []}
+        await EventStream(stream, media_type="text/event-stream")(scope, receive, send)
+        return sent, reads
+    sent, reads = asyncio.run(go())
+    assert reads == [], "only the disconnect watcher reads receive"
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    body = b"".join(m.get("body", b"") for m in sent[1:])
+    assert [e if e == "[DONE]" else e["choices"][0]["text"] for e in events_of(body) if e == "[DONE]" or e["choices"]] \
+        == ["<1>", "<2>", "[DONE]"]
+    assert sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
