@@ -9,6 +9,9 @@
 #   3. so the unit tests (neither slow nor alone) run beside it at nice 19, on PYTEST_WORKERS workers too:
 #      the scheduler gives them only the CPU that the stacks under test do not want, which does not
 #      stretch their recoveries (on one worker they took longer than tests/reliability).
+#      Started at the beginning instead, beside the end-to-end tests too (that phase leaves some of the
+#      cores idle while stacks start and stop), they stretched it from 227 to 286 s, and a fresh clone's
+#      `make test` took 718 s against 723 (2026-12-07, the 2-core VM): not kept.
 # Every part runs whatever another's outcome; the exit status is non-zero if any failed.
 set -u
 # Let Python keep the bytecode it compiles, and pytest its assertion-rewritten test modules (both in the
