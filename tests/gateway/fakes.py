@@ -69,11 +69,12 @@ its characters, or (text, token ids) for text that lags its tokens (held back by
 class FakeEngineClient:
     """Records the requests the gateway publishes and answers each with its scripted events."""
 
-    def __init__(self, script: Script, finish_reason: str = "stop", spacing_s: float = 0.0) -> None:
+    def __init__(self, script: Script, finish_reason: str = "stop", lockstep: bool = False) -> None:
         self.script = script
         self.finish_reason = finish_reason
-        self.spacing_s = spacing_s
-        """Seconds between a request's events (0: all at once, so the gateway coalesces them)."""
+        self.lockstep = lockstep
+        """Deliver each event only once the gateway has taken the one before (so each gets its own
+        write, whatever the machine's load); otherwise all at once, so the gateway coalesces them."""
         self.status = healthy_board()
         self.submitted: list[GenerateRequest] = []
         self.by_public_id: dict[str, Generation] = {}
@@ -85,21 +86,36 @@ class FakeEngineClient:
         return generation
 
     def _answer(self, generation: Generation) -> None:
-        for index, request in enumerate(generation.requests):
-            texts = self.script(request)
-            events = [item if isinstance(item, tuple) else (item, [ord(c) for c in item]) for item in texts]
-            for i, (text, ids) in enumerate(events):
-                last = i == len(events) - 1
-                event = Event(
-                    request.id, ids, text, self.finish_reason if last else None,
-                    usage=Usage(len(request.prompt_token_ids or ()), sum(len(e[1]) for e in events)) if last else None,
-                    logprobs=[{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in ids]
-                    if request.logprobs is not None else None,
-                    prompt_logprobs=prompt_logprobs(request) if i == 0 else None)
-                if self.spacing_s:
-                    asyncio.get_running_loop().call_later(self.spacing_s * i, generation.deliver, index, event)
-                else:
-                    generation.deliver(index, event)
+        by_choice = [self._events(request) for request in generation.requests]
+        if self.lockstep:
+            asyncio.get_running_loop().create_task(self._deliver_in_lockstep(generation, by_choice))
+            return
+        for index, events in enumerate(by_choice):
+            for event in events:
+                generation.deliver(index, event)
+
+    @staticmethod
+    async def _deliver_in_lockstep(generation: Generation, by_choice: list[list[Event]]) -> None:
+        for index, events in enumerate(by_choice):
+            for event in events:
+                generation.deliver(index, event)
+                while generation.arrived and not generation.closed:
+                    await asyncio.sleep(0.001)
+
+    def _events(self, request: GenerateRequest) -> list[Event]:
+        """The scripted events of one request, its last one carrying the finish reason and usage."""
+        texts = self.script(request)
+        scripted = [item if isinstance(item, tuple) else (item, [ord(c) for c in item]) for item in texts]
+        events = []
+        for i, (text, ids) in enumerate(scripted):
+            last = i == len(scripted) - 1
+            events.append(Event(
+                request.id, ids, text, self.finish_reason if last else None,
+                usage=Usage(len(request.prompt_token_ids or ()), sum(len(e[1]) for e in scripted)) if last else None,
+                logprobs=[{"token_id": t, "logprob": -1.0, "top_logprobs": []} for t in ids]
+                if request.logprobs is not None else None,
+                prompt_logprobs=prompt_logprobs(request) if i == 0 else None))
+        return events
 
     def abort_soon(self, request_ids: list[str]) -> None:
         pass
@@ -117,10 +133,10 @@ def prompt_logprobs(request: GenerateRequest) -> list[dict] | None:
 
 
 def fake_gateway(script: Script, finish_reason: str = "stop",
-                 spacing_s: float = 0.0) -> tuple[TestClient, FakeEngineClient, FakeTokenizer]:
+                 lockstep: bool = False) -> tuple[TestClient, FakeEngineClient, FakeTokenizer]:
     """The gateway app, its engine client and its tokenizer (the app's lifespan is not run: no NATS)."""
     settings = GatewaySettings(nats_url="nats://unused", model="m")
     app = build_app(settings)
-    client, tokenizer = FakeEngineClient(script, finish_reason, spacing_s), FakeTokenizer()
+    client, tokenizer = FakeEngineClient(script, finish_reason, lockstep), FakeTokenizer()
     app.state.gateway = GatewayState(settings, client, tokenizer, VOCAB, 512, Counter())
     return TestClient(app), client, tokenizer

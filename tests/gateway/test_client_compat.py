@@ -76,9 +76,9 @@ LAGGING = [("a", [ord("a")]), ("", [ord("b"), ord("c")]), ("bcd", [ord("d")]), (
 def test_streamed_text_offsets_equal_the_whole_responses(events):
     """Every token's `text_offset` is the length of the token texts before it, in a stream as in the
     whole response, however far the text sent lags the tokens."""
-    # one write per event: 0.25 s apart, as 20 ms was not enough for the unit tests at nice 19 beside
-    # tests/reliability (a fresh-clone CI run coalesced two events into one write)
-    http, _, _ = fake_gateway(lambda request: events, spacing_s=0.25)
+    # one write per event: each delivered once the gateway took the one before (timed spacing, even
+    # 0.25 s, let a fresh-clone CI run at nice 19 beside tests/reliability coalesce two into one write)
+    http, _, _ = fake_gateway(lambda request: events, lockstep=True)
     body = {"prompt": "hi", "max_tokens": 8, "logprobs": 1}
     whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["text_offset"]
     streamed, writes = [], 0

@@ -113,7 +113,10 @@ def test_snapshots_travel_over_nats_to_the_board(nats_url):
         await producer.publish(subjects.METRICS, b"not msgpack")  # a bad message is logged, not fatal
         await producer.publish(subjects.METRICS, Codec.encode(AdmissionMetrics("adm-y", 1, 10, 0, 0, 0)))
         await producer.flush()
-        await asyncio.sleep(0.2)
+        for _ in range(200):  # waits for delivery, not a fixed time: the unit tests run at nice 19 in CI
+            if "adm-y" in board.sources:
+                break
+            await asyncio.sleep(0.05)
         await listener.close()
         await producer.close()
         return board
