@@ -40,7 +40,7 @@ def test_sigterm_stops_a_gateway_still_waiting_for_nats(demo_model):
         if gateway.poll() is None:
             gateway.kill()
     said = "".join(lines) + out
-    assert took < 5, said
+    assert took < 15, said  # the fault is a gateway that never stops; the unit tests run at nice 19 beside stacks
     assert gateway.returncode in (0, -signal.SIGTERM, 128 + signal.SIGTERM), said
     assert "stopped before NATS" in said and "Traceback" not in said, said
 
